@@ -1,0 +1,173 @@
+"""
+GSM8K (grade-school math word problems; the official release, MIT licence): 7,473 train and 1,319 test
+problems, one JSON object per line with "question" and "answer" fields. Every answer ends in "#### <number>".
+
+Where the data comes from, first match wins:
+  1. an explicit directory holding {train,test}.jsonl (the --gsm8k-dir flag, or data_dir=...);
+  2. the directory in $NANOGRPO_GSM8K_DIR;
+  3. the cache, $NANOGRPO_CACHE_DIR/gsm8k (default ~/.cache/nanogrpo/gsm8k);
+  4. a download of the official files into the cache.
+
+Grading. The official rule (strict, the default): the answer is the first match of "#### (-?[0-9.,]+)" with
+commas removed, compared *as a string* with the reference answer extracted the same way. Numbers stay
+comparable with published GSM8K results. The lenient rule reads the first "####" marker too, but allows no
+space or a "$" after it and a trailing period, and compares numerically, so "#### $18.00." == "18".
+"""
+import decimal
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+
+from tasks import Task
+
+SPLIT_ROWS = {"train": 7473, "test": 1319}
+OFFICIAL_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
+
+# -----------------------------------------------------------------------------
+# Grading
+
+STRICT_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+LENIENT_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")  # a trailing "." or "," is not part of the number
+
+
+def extract_answer(text):
+    """The official extraction: first '#### <number>', commas removed; None when there is none."""
+    match = STRICT_ANSWER.search(text)
+    return match.group(1).strip().replace(",", "") if match else None
+
+
+def extract_number_lenient(text):
+    match = LENIENT_ANSWER.search(text)
+    if not match:
+        return None
+    try:
+        return decimal.Decimal(match.group(1).replace(",", ""))
+    except decimal.InvalidOperation:  # "1.2.3"
+        return None
+
+
+def is_correct(reply, reference, lenient=False):
+    """Grade a model reply against the reference answer text (both full texts with a '####' line)."""
+    if lenient:
+        got, want = extract_number_lenient(reply), extract_number_lenient(reference)
+    else:
+        got, want = extract_answer(reply), extract_answer(reference)
+    return got is not None and got == want
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+def answer_to_parts(answer):
+    """'48/2 = <<48/2=24>>24 clips.\\n#### 24' -> text, python '48/2', python_output '24', text parts."""
+    parts = []
+    for piece in re.split(r"(<<[^<>]*>>)", answer):
+        expr, eq, result = piece[2:-2].rpartition("=")
+        if piece.startswith("<<") and eq:
+            parts += [{"type": "python", "text": expr}, {"type": "python_output", "text": result}]
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def read_jsonl(path, expected_rows=None):
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+                if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                    raise ValueError("no question/answer strings")
+                if extract_answer(row["answer"]) is None:
+                    raise ValueError("answer has no '#### <number>' line")
+            except (ValueError, AttributeError) as e:
+                raise ValueError(f"{path} line {n} is not a GSM8K row ({e}); delete the file, or point "
+                                 "--gsm8k-dir at a good copy of the official JSONL files") from None
+            rows.append(row)
+    if expected_rows is not None and len(rows) != expected_rows:
+        raise ValueError(f"{path} has {len(rows)} rows, expected {expected_rows}: the file is incomplete")
+    return rows
+
+
+def cache_dir():
+    return os.path.join(os.environ.get("NANOGRPO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"), "gsm8k")
+
+
+def download(split, path, url):
+    """Download into a temporary file beside `path`, check it, then rename: the cache never holds a bad file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{split}_", suffix=".part")
+    print(f"downloading GSM8K {split} from {url}", file=sys.stderr, flush=True)
+    try:
+        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as response:
+            total, done = int(response.headers.get("Content-Length") or 0), 0
+            while chunk := response.read(1 << 16):
+                f.write(chunk)
+                done += len(chunk)
+                if sys.stderr.isatty():
+                    print(f"\r  {done / 1e6:.1f}{f' / {total / 1e6:.1f}' if total else ''} MB", end="", file=sys.stderr)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        read_jsonl(tmp, SPLIT_ROWS[split])
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise RuntimeError(f"could not download GSM8K {split} from {url} ({e}). Offline? Put the official "
+                               f"{split}.jsonl in a directory and pass --gsm8k-dir DIR (or set NANOGRPO_GSM8K_DIR)") from None
+        raise
+
+
+def find_split(split, data_dir=None, url=OFFICIAL_URL, wait_seconds=600):
+    """The path of {split}.jsonl, downloading it into the cache if no local copy exists."""
+    for where, directory in (("data_dir / --gsm8k-dir", data_dir), ("$NANOGRPO_GSM8K_DIR", os.environ.get("NANOGRPO_GSM8K_DIR"))):
+        if directory:
+            path = os.path.join(directory, f"{split}.jsonl")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{where} is {directory}, but it has no {split}.jsonl")
+            return path
+    path = os.path.join(cache_dir(), f"{split}.jsonl")
+    if os.path.isfile(path):
+        return path
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun one process per machine downloads, the others wait
+        deadline = time.time() + wait_seconds
+        while not os.path.isfile(path):
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {wait_seconds} s for local rank 0 to download {path}")
+            time.sleep(1)
+        return path
+    download(split, path, url.format(split=split))
+    return path
+
+
+class GSM8K(Task):
+    def __init__(self, split="train", data_dir=None, lenient=False, shuffle_seed=42, url=OFFICIAL_URL, **slice_args):
+        super().__init__(**slice_args)
+        if split not in SPLIT_ROWS:
+            raise ValueError(f"GSM8K split must be one of {list(SPLIT_ROWS)}, got {split!r}")
+        self.rows = read_jsonl(find_split(split, data_dir, url))
+        if shuffle_seed is not None:  # a fixed order, so that --eval-examples N means the same N problems everywhere
+            random.Random(shuffle_seed).shuffle(self.rows)
+        self.lenient = lenient
+
+    def num_examples(self):
+        return len(self.rows)
+
+    def get_example(self, index):
+        row = self.rows[index]
+        return {"messages": [{"role": "user", "content": row["question"]},
+                             {"role": "assistant", "content": answer_to_parts(row["answer"])}]}
+
+    def reference(self, conversation):
+        return "".join(part["text"] for part in conversation["messages"][-1]["content"])
+
+    def evaluate(self, conversation, reply_text):
+        return is_correct(reply_text, self.reference(conversation), self.lenient)
+
+    def reward(self, conversation, reply_text):
+        return float(self.evaluate(conversation, reply_text))

@@ -1,0 +1,36 @@
+"""
+Sort: the user gives a few random digits ("31415"), the assistant must reply with them in sorted order
+("11345"). A toy task that a tiny GPT learns from random weights, with RL alone, on a laptop CPU.
+
+The reward is dense, the fraction of positions that hold the right digit, so that even a random policy
+gets some signal; evaluate() is the exact match. The train split is unlimited (problem i is a pure function
+of the seed and i); the test split is a fixed held-out set drawn from a separate stream.
+"""
+import random
+
+from tasks import Task
+
+
+class Sort(Task):
+    def __init__(self, split="train", length=5, seed=0, num_test=256, **slice_args):
+        super().__init__(**slice_args)
+        if split not in ("train", "test"):
+            raise ValueError(f"sort split must be train or test, got {split!r}")
+        self.split, self.length, self.seed, self.num_test = split, length, seed, num_test
+
+    def num_examples(self):
+        return self.num_test if self.split == "test" else 10 ** 12
+
+    def get_example(self, index):
+        rng = random.Random(f"sort-{self.split}-{self.seed}-{self.length}-{index}")
+        digits = "".join(rng.choice("0123456789") for _ in range(self.length))
+        return {"messages": [{"role": "user", "content": digits},
+                             {"role": "assistant", "content": "".join(sorted(digits))}]}
+
+    def reward(self, conversation, reply_text):
+        target, reply = conversation["messages"][-1]["content"], reply_text.strip()
+        # Extra characters cost as much as missing ones: the denominator is the longer of the two.
+        return sum(a == b for a, b in zip(reply, target)) / max(len(target), len(reply))
+
+    def evaluate(self, conversation, reply_text):
+        return reply_text.strip() == conversation["messages"][-1]["content"]

@@ -1,0 +1,178 @@
+import functools
+import http.server
+import os
+import threading
+import time
+
+import pytest
+
+from model import Tokenizer
+from tasks.gsm8k import GSM8K, answer_to_parts, extract_answer, find_split, is_correct
+from tasks.sort import Sort
+
+TOK = Tokenizer.byte_level()
+
+
+def reply_of(conversation):
+    """The reference solution as the model would produce it: its tokens, decoded."""
+    ids, mask = TOK.render_conversation(conversation)
+    start = ids.index(TOK.assistant_start) + 1
+    return TOK.decode(ids[start:-1])
+
+
+def test_real_splits_load_and_every_reference_grades_correct(gsm8k_dir):
+    for split, rows in (("train", 7473), ("test", 1319)):
+        task = GSM8K(split, data_dir=gsm8k_dir)
+        assert len(task) == rows
+        for conversation in task:
+            reply = reply_of(conversation)
+            assert "<|python_start|>" in reply or "<<" not in task.reference(conversation)
+            assert task.evaluate(conversation, reply) and task.reward(conversation, reply) == 1.0
+            wrong = reply[:reply.index("####")] + "#### " + str(int(extract_answer(reply)) + 1)
+            assert not task.evaluate(conversation, wrong) and task.reward(conversation, wrong) == 0.0
+            assert is_correct(reply, task.reference(conversation), lenient=True)
+
+
+def test_order_is_a_seeded_shuffle_and_slices(gsm8k_dir):
+    a, b = GSM8K("test", data_dir=gsm8k_dir), GSM8K("test", data_dir=gsm8k_dir)
+    assert [a[i] for i in range(5)] == [b[i] for i in range(5)]
+    assert a[0] != GSM8K("test", data_dir=gsm8k_dir, shuffle_seed=None)[0]
+    sliced = GSM8K("test", data_dir=gsm8k_dir, start=10, stop=20, step=3)
+    assert len(sliced) == 4 and sliced[1] == a[13]
+
+
+def test_calculator_annotations_become_tool_parts():
+    parts = answer_to_parts("She sold 48/2 = <<48/2=24>>24 clips.\n#### 24")
+    assert parts == [{"type": "text", "text": "She sold 48/2 = "}, {"type": "python", "text": "48/2"},
+                     {"type": "python_output", "text": "24"}, {"type": "text", "text": "24 clips.\n#### 24"}]
+
+
+# reply, reference answer, strict verdict, lenient verdict
+TRICKY = [
+    ("#### 72", "72", True, True),
+    ("so the answer is\n#### 1,000", "1000", True, True),
+    ("#### 1000", "1,000", True, True),
+    ("#### -5", "-5", True, True),
+    ("#### 5", "-5", False, False),
+    ("#### 18.00", "18", False, True),
+    ("#### 18.5", "18.5", True, True),
+    ("#### 72.", "72", False, True),
+    ("#### $72", "72", False, True),
+    ("####72", "72", False, True),
+    ("#### 72 dollars", "72", True, True),
+    ("#### 71\n#### 72", "72", False, False),  # the first marker counts
+    ("#### 72\n#### 71", "72", True, True),
+    ("The answer is 72.", "72", False, False),  # no marker
+    ("", "72", False, False),
+    ("   #### 72   \n", "72", True, True),
+    ("#### ", "72", False, False),
+    ("#### .", "72", False, False),
+    ("#### 1.2.3", "123", False, False),
+    ("#### ７２", "72", False, False),  # unicode digits are not GSM8K digits
+    ("\x00\xff\ud800 #### 72", "72", True, True),
+    ("x" * 1_000_000 + "#### 72", "72", True, True),
+    ("#### " + "9" * 100_000, "72", False, False),
+]
+
+
+@pytest.mark.parametrize("reply,answer,strict,lenient", TRICKY)
+def test_tricky_replies(reply, answer, strict, lenient):
+    reference = "Some working.\n#### " + answer
+    assert is_correct(reply, reference) == strict
+    assert is_correct(reply, reference, lenient=True) == lenient
+
+
+def test_grading_is_fast():
+    replies = [f"I think {i} + {i} = {2 * i}, so\n#### {2 * i}" for i in range(10_000)]
+    start = time.perf_counter()
+    assert sum(is_correct(r, "#### 10") for r in replies) == 1
+    assert time.perf_counter() - start < 0.5
+
+
+# ---------------------------------------------------------------------------- data sources and the download
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A local HTTP server over a folder: the download path, tested without the internet."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/{{split}}.jsonl"
+    server.shutdown()
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("NANOGRPO_GSM8K_DIR", raising=False)
+    return tmp_path / "cache" / "gsm8k"
+
+
+def test_download_into_an_empty_cache(gsm8k_dir, served, empty_cache):
+    root, url = served
+    (root / "test.jsonl").write_bytes(open(os.path.join(gsm8k_dir, "test.jsonl"), "rb").read())
+    task = GSM8K("test", url=url)
+    assert len(task) == 1319 and os.listdir(empty_cache) == ["test.jsonl"]
+    (root / "test.jsonl").unlink()  # the second load reads the cache, not the server
+    assert len(GSM8K("test", url=url)) == 1319
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_bad_download_leaves_no_cache_file(gsm8k_dir, served, empty_cache, damage):
+    root, url = served
+    lines = open(os.path.join(gsm8k_dir, "test.jsonl"), "rb").read().splitlines(keepends=True)
+    if damage == "truncated":
+        lines = lines[:700]
+    else:
+        lines[500] = lines[500][:40] + b"\n"
+    (root / "test.jsonl").write_bytes(b"".join(lines))
+    with pytest.raises(ValueError, match="incomplete" if damage == "truncated" else "line 501"):
+        find_split("test", url=url)
+    assert os.listdir(empty_cache) == []
+
+
+def test_offline_error_says_how_to_point_at_a_local_copy(empty_cache):
+    with pytest.raises(RuntimeError, match="--gsm8k-dir"):
+        find_split("test", url="http://127.0.0.1:9/{split}.jsonl")
+    assert os.listdir(empty_cache) == []
+
+
+def test_explicit_directory_and_environment_variable(tmp_path, monkeypatch, empty_cache):
+    with pytest.raises(FileNotFoundError, match="no test.jsonl"):
+        find_split("test", data_dir=str(tmp_path))
+    monkeypatch.setenv("NANOGRPO_GSM8K_DIR", str(tmp_path))
+    (tmp_path / "test.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    assert find_split("test") == str(tmp_path / "test.jsonl")
+    assert len(GSM8K("test")) == 1
+
+
+# ---------------------------------------------------------------------------- sort
+
+def test_sort_rewards():
+    task = Sort("train", length=5)
+    conversation = task[0]
+    digits, target = conversation["messages"][0]["content"], conversation["messages"][1]["content"]
+    assert len(digits) == 5 and target == "".join(sorted(digits))
+    assert task.reward(conversation, target) == 1.0 and task.evaluate(conversation, target)
+    assert task.reward(conversation, " " + target + "\n") == 1.0
+    wrong = "".join("x" for _ in target)
+    assert task.reward(conversation, wrong) == 0.0 and not task.evaluate(conversation, wrong)
+    assert task.reward(conversation, target[:3]) == 3 / 5
+    assert task.reward(conversation, target + "99999") == 5 / 10  # padding a reply costs reward
+    assert task.reward(conversation, "") == 0.0
+    assert task.reward(conversation, "\x00\ufffd" * 1000) == 0.0
+
+
+def test_sort_is_seeded_and_test_split_is_fixed():
+    assert [Sort(seed=1)[i] for i in range(10)] == [Sort(seed=1)[i] for i in range(10)]
+    assert [Sort(seed=1)[i] for i in range(10)] != [Sort(seed=2)[i] for i in range(10)]
+    test = Sort("test", num_test=64)
+    assert len(test) == 64 and list(test) == list(Sort("test", num_test=64))
+    assert test[0] != Sort("train")[0]
+    assert len(Sort("train", length=3)[7]["messages"][0]["content"]) == 3
