@@ -436,8 +436,9 @@ def calculator(expr):
 # -----------------------------------------------------------------------------
 # The sampler
 
-def sample_tokens(raw_logits, temperature, top_k, generator):
-    """Raw (not yet softcapped) logits [N, V] -> token ids [N]. temperature 0 is greedy.
+def sample_tokens(raw_logits, temperature, top_k, uniform):
+    """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N].
+    temperature 0 is greedy.
 
     The softcap is monotonic, so greedy and the top-k set can be read off the raw logits and the
     softcap applied to the k survivors only: over a 65,536 vocabulary that, and sampling by inverse
@@ -449,8 +450,7 @@ def sample_tokens(raw_logits, temperature, top_k, generator):
     else:
         values, indices = raw_logits, None
     cdf = F.softmax(softcap_logits(values) / temperature, dim=-1).cumsum(dim=-1)
-    u = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator) * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, u).clamp(max=cdf.size(-1) - 1)  # [N, 1]
+    choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
     return (choice if indices is None else indices.gather(1, choice)).squeeze(1)
 
 
@@ -458,6 +458,7 @@ def sample_tokens(raw_logits, temperature, top_k, generator):
 def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
              use_calculator=True):
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
+    `seed` is an int, or one int per prompt.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -468,7 +469,10 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     device = model.lm_head.weight.device
     P, G = len(prompts), num_samples
     N = P * G
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # All randomness is drawn up front from one generator per prompt, seeded `seed + p` (or seed[p]): a
+    # prompt's samples do not depend on which other prompts share the batch, or on which rank runs it.
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
+    noise = torch.cat([torch.rand(G, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
 
     # Prefill every prompt once, left-padded so that all rows end at the same column.
     longest = max(len(p) for p in prompts)
@@ -479,7 +483,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
     shared = torch.arange(P, device=device).repeat_interleave(G)
     cache.select(shared)
-    sampled = sample_tokens(logits[shared], temperature, top_k, generator)  # [N]
+    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0])  # [N]
 
     tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
@@ -523,5 +527,5 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
         logits = model(token[:, None], cache, softcap=False)[:, -1]
-        sampled = sample_tokens(logits, temperature, top_k, generator)
+        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1])
     return dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated)

@@ -69,7 +69,7 @@ def one_prompt_per_call():
 def naive_one_prompt():
     idx = torch.tensor([prompts[0]] * args.samples, device=device)
     for _ in range(args.max_new_tokens):
-        idx = torch.cat([idx, sample_tokens(model.logits(model.hidden(idx)[:, -1], softcap=False), 1.0, 50, None)[:, None]], dim=1)
+        idx = torch.cat([idx, sample_tokens(model.logits(model.hidden(idx)[:, -1], softcap=False), 1.0, 50, torch.rand(len(idx), device=device))[:, None]], dim=1)
     return args.samples * args.max_new_tokens
 
 

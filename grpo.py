@@ -1,0 +1,663 @@
+"""
+GRPO in one file: sample a group of replies per question, score them, turn the scores into group-relative
+advantages, update the policy. Every term of the objective is a flag, so one script runs both nanochat's
+simplified REINFORCE and DeepSeekMath's full GRPO, and everything in between.
+
+    python grpo.py --demo                            # CPU demo: the sort task from random weights, minutes
+    python grpo.py --demo --algo grpo                # the same with full GRPO
+    python grpo.py                                   # GSM8K from the newest nanochat chat SFT checkpoint
+    torchrun --nproc_per_node=8 grpo.py --algo grpo  # the same on 8 GPUs
+    python grpo.py --compare runs/a runs/b           # side-by-side table and plot of finished runs
+
+The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per reply token t:
+    A_i       = r_i - mean(r)                     (--advantage mean)  or  / (std(r) + eps)   (zscore)
+    rho_t     = pi_theta(o_t) / pi_old(o_t)
+    policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
+    kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
+    loss      = aggregate(policy_t + beta * kl_t)  over the reply tokens of the batch  (token | sequence | constant)
+"""
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import pickle
+import random
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from model import (GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
+                   load_checkpoint, nanochat_base_dir, save_checkpoint)
+from tasks.gsm8k import GSM8K, is_correct
+from tasks.sort import Sort
+
+# -----------------------------------------------------------------------------
+# Configuration
+
+parser = argparse.ArgumentParser(description="GRPO / REINFORCE on GSM8K or a toy task, in one file.")
+# the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
+parser.add_argument("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo"], help="algorithm preset")
+parser.add_argument("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
+parser.add_argument("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
+parser.add_argument("--ppo-epochs", type=int, help="passes over each sampled batch (mu in the GRPO paper)")
+parser.add_argument("--num-minibatches", type=int, help="optimizer steps per pass over the sampled batch")
+parser.add_argument("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
+parser.add_argument("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
+parser.add_argument("--kl-coef", type=float, help="beta; 0 builds no reference model")
+parser.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
+parser.add_argument("--ref-reset-every", type=int, help="copy the policy into the reference every N steps (0: never)")
+parser.add_argument("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave groups whose rewards are all equal out of the loss")
+parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave replies that hit --max-new-tokens out of the loss")
+# the task and the start policy
+parser.add_argument("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
+parser.add_argument("--task", default="gsm8k", choices=["gsm8k", "sort"])
+parser.add_argument("--gsm8k-dir", default=None, help="directory with the official {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
+parser.add_argument("--sort-length", type=int, default=5, help="digits per sort problem")
+parser.add_argument("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint; 'scratch': a new model; or a checkpoint directory")
+parser.add_argument("--init-step", type=int, default=None, help="checkpoint step to start from (default: the largest)")
+parser.add_argument("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
+parser.add_argument("--depth", type=int, default=4, help="scratch model: layers")
+parser.add_argument("--n-embd", type=int, default=256, help="scratch model: width")
+parser.add_argument("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
+# sampling (shared by all presets)
+parser.add_argument("--prompts-per-step", type=int, default=16, help="questions per step, across all ranks")
+parser.add_argument("--num-samples", type=int, default=16, help="replies per question (the group size G)")
+parser.add_argument("--max-new-tokens", type=int, default=256)
+parser.add_argument("--temperature", type=float, default=1.0)
+parser.add_argument("--top-k", type=int, default=50, help="0: sample from the full softmax (no mismatch with the trained log-probs)")
+parser.add_argument("--device-batch-size", type=int, default=16, help="rows per forward/backward pass (memory only, not the math)")
+# optimization (shared)
+parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW scheme; adamw: one AdamW")
+parser.add_argument("--lr", type=float, default=1e-5, help="adamw learning rate")
+parser.add_argument("--matrix-lr", type=float, default=0.02, help="muon: transformer matrices")
+parser.add_argument("--embedding-lr", type=float, default=0.2, help="muon scheme: AdamW on the embedding")
+parser.add_argument("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on the lm head")
+parser.add_argument("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
+parser.add_argument("--num-steps", type=int, default=None, help="default: one epoch of GSM8K train; 300 for sort")
+# evaluation, logging, checkpoints
+parser.add_argument("--eval-every", type=int, default=60)
+parser.add_argument("--eval-examples", type=int, default=400, help="test problems per periodic eval")
+parser.add_argument("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
+parser.add_argument("--pass-k", type=int, default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
+parser.add_argument("--save-every", type=int, default=60)
+parser.add_argument("--run", default=None, help="run name: files go to <runs-dir>/<run>/")
+parser.add_argument("--runs-dir", default="runs")
+parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+parser.add_argument("--max-bad-steps", type=int, default=3, help="stop after this many non-finite losses in a row")
+parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
+
+PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
+    # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
+    "reinforce": dict(advantage="mean", aggregation="token", ppo_epochs=1, num_minibatches=1, clip_eps=0.2,
+                      clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
+                      drop_equal_groups=False, mask_truncated=False),
+    # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
+    "grpo": dict(advantage="zscore", aggregation="sequence", ppo_epochs=2, num_minibatches=1, clip_eps=0.2,
+                 clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
+                 drop_equal_groups=False, mask_truncated=False),
+}
+PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # Dr. GRPO: no length or std bias
+PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher,
+                       drop_equal_groups=True, mask_truncated=True)  # dynamic sampling (as dropping), overlong filtering
+DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=1, prompts_per_step=32, num_samples=8,
+            max_new_tokens=8, top_k=0, optimizer="adamw", lr=3e-3, num_steps=300, eval_every=50, eval_examples=256,
+            pass_k=0, save_every=100, device="cpu")
+
+
+def resolve_config(argv=None):
+    """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--demo" in argv:  # the demo's defaults, under any flag given explicitly
+        defaults = {k: parser.get_default(k) for k in DEMO}
+        parser.set_defaults(**DEMO)
+        args = parser.parse_args(argv)
+        parser.set_defaults(**defaults)
+    else:
+        args = parser.parse_args(argv)
+    for key, value in PRESETS[args.algo].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.clip_eps_high is None:
+        args.clip_eps_high = args.clip_eps
+    if args.num_steps is None:
+        args.num_steps = 7473 // args.prompts_per_step if args.task == "gsm8k" else 300
+    if args.run is None:
+        args.run = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = [
+        (args.prompts_per_step % world_size, f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
+        (args.num_samples < 2, f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
+        (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
+        (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.ref_reset_every < 0, "--ref-reset-every must be >= 0"),
+        (args.ref_reset_every > 0 and args.kl_coef == 0, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
+        (args.ppo_epochs < 1 or args.num_minibatches < 1, "--ppo-epochs and --num-minibatches must be >= 1"),
+        (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
+         "--num-minibatches is larger than the number of replies per rank"),
+        (args.temperature <= 0, "--temperature must be > 0: the policy gradient needs a stochastic policy"),
+        (args.top_k < 0 or args.max_new_tokens < 1 or args.device_batch_size < 1 or args.num_steps < 1,
+         "--top-k must be >= 0; --max-new-tokens, --device-batch-size and --num-steps >= 1"),
+        (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
+    ]
+    for bad, message in problems:
+        if bad:
+            parser.error(message)
+    return args
+
+
+# -----------------------------------------------------------------------------
+# The objective: small pure functions on plain tensors, each term in exactly one place
+
+def group_advantages(rewards, kind, eps=1e-4):
+    """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if kind == "mean":
+        return centered
+    # z-score, with the unbiased std (as the common GRPO implementations). An all-equal group has
+    # centered == 0 and std == 0, so its advantages are 0 / eps = 0, never NaN.
+    return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, eps_low, eps_high):
+    """Per-token PPO-clip term. logprobs, old_logprobs [B, T]; advantages [B, 1] -> (loss [B, T], clipped [B, T]).
+
+    With old_logprobs = logprobs.detach() the ratio is exactly 1 and the gradient is A * grad(log pi):
+    plain REINFORCE."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
+    # direction the advantage pushes it.
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator):
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens [B, T]."""
+    log_ratio = ref_logprobs - logprobs  # log(pi_ref / pi_theta)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return torch.exp(log_ratio) - log_ratio - 1  # k3 (DeepSeekMath): unbiased, always >= 0
+
+
+def aggregation_count(loss_mask, kind, max_new_tokens):
+    """This rank's share of the aggregation's denominator; summed over ranks before use."""
+    if kind == "token":
+        return loss_mask.sum()  # reply tokens (DAPO; what nanochat intends)
+    if kind == "sequence":
+        return (loss_mask.sum(dim=1) > 0).sum()  # replies with at least one token in the loss (GRPO paper)
+    return torch.tensor(loss_mask.size(0) * max_new_tokens)  # a constant (Dr. GRPO)
+
+
+def aggregate(per_token, loss_mask, kind, denominator):
+    """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of the batch mean. Summing the shares
+    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size."""
+    summed = per_token * loss_mask
+    if kind == "sequence":  # each reply's own token mean first
+        summed = summed / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return summed.sum() / denominator
+
+
+# -----------------------------------------------------------------------------
+# Muon: momentum, then the update's orthogonalised direction (Newton-Schulz), for the transformer's matrices
+
+def newton_schulz(G, steps=5):
+    """Approximately U V^T for G = U S V^T: a quintic iteration whose coefficients push every singular
+    value towards 1 fast (not exactly to 1, which does not hurt in practice)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G / (G.norm() + 1e-7)
+    transposed = X.size(0) > X.size(1)
+    if transposed:
+        X = X.T
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    def __init__(self, params, lr, momentum=0.95):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = newton_schulz(p.grad.lerp(buf, group["momentum"]))  # Nesterov
+                p.add_(update, alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)
+
+
+def make_optimizers(model, args):
+    if args.optimizer == "adamw":
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
+    else:  # nanochat's scheme: AdamW for the embedding and the head, with lrs scaled as 1/sqrt(width / 768)
+        scale = (model.config.n_embd / 768) ** -0.5
+        adam_groups = [dict(params=[model.transformer.wte.weight], lr=args.embedding_lr * scale),
+                       dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale)]
+        optimizers = [torch.optim.AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay),
+                      Muon(model.transformer.h.parameters(), lr=args.matrix_lr)]
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] *= args.init_lr_frac
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+# -----------------------------------------------------------------------------
+# Distributed helpers: identity in a single process
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def progress(label, done, total, start):
+    """Progress with time left, redrawn in place on a terminal; silent in log files."""
+    if sys.stdout.isatty() and int(os.environ.get("RANK", "0")) == 0:
+        elapsed = time.time() - start
+        left = elapsed / done * (total - done) if done else 0
+        print(f"\r{label}: {done}/{total} ({elapsed:.0f}s, ~{left:.0f}s left)", end="" if done < total else "\n", flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: greedy and sampled, every rank takes its share of the problems
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
+    n = len(task) if num_examples < 0 else min(num_examples, len(task))
+    mine = list(range(rank, n, world_size))
+    totals = torch.zeros(4 + args.pass_k, dtype=torch.float64)  # count, reward, exact/strict, lenient, pass@1..k
+    start, chunk = time.time(), 32
+    for i in range(0, len(mine), chunk):
+        conversations = [task[j] for j in mine[i:i + chunk]]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        with autocast:
+            greedy = generate(model, tokenizer, prompts, 1, args.max_new_tokens, temperature=0)
+            sampled = generate(model, tokenizer, prompts, args.pass_k, args.max_new_tokens, args.temperature,
+                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]]) if args.pass_k else None
+        for p, conversation in enumerate(conversations):
+            reply = reply_text(tokenizer, greedy, p)
+            totals[0] += 1
+            totals[1] += task.reward(conversation, reply)
+            totals[2] += task.evaluate(conversation, reply)
+            if args.task == "gsm8k":
+                totals[3] += is_correct(reply, task.reference(conversation), lenient=True)
+            if sampled is not None:
+                correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
+                              for g in range(args.pass_k))
+                totals[4:] += torch.tensor([pass_at_k(args.pass_k, correct, k) for k in range(1, args.pass_k + 1)])
+        progress("eval", min(i + chunk, len(mine)), len(mine), start)
+    totals = all_reduce(totals)
+    count = totals[0].clamp(min=1)
+    result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item(),
+              "eval_exact" if args.task == "sort" else "eval_strict": (totals[2] / count).item()}
+    if args.task == "gsm8k":
+        result["eval_lenient"] = (totals[3] / count).item()
+    for k in range(1, args.pass_k + 1):
+        result[f"eval_pass@{k}"] = (totals[3 + k] / count).item()
+    return result
+
+
+def reply_text(tokenizer, samples, row):
+    """A sampled reply as text for the grader, without its stop token."""
+    length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
+    return tokenizer.decode(samples["tokens"][row, :length].tolist())
+
+
+# -----------------------------------------------------------------------------
+# Start policy, data order, checkpoints
+
+def load_policy(args):
+    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>."""
+    if args.init == "scratch":
+        tokenizer = Tokenizer.byte_level()
+        config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
+                           n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
+    if args.init == "sft":
+        try:
+            checkpoint_dir, _ = find_checkpoint(source="chatsft", tag=args.model_tag)
+        except FileNotFoundError as e:
+            sys.exit(f"error: {e}.\nTrain a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
+    else:
+        checkpoint_dir = args.init
+    try:
+        model, _ = load_checkpoint(checkpoint_dir, args.init_step)
+        tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
+
+
+def tokenizer_path(checkpoint_dir):
+    """<base>/<source>_checkpoints/<tag> -> <base>/tokenizer/tokenizer.pkl, else nanochat's default base."""
+    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir))), "tokenizer", "tokenizer.pkl")
+    return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(num_examples, seed, epoch):
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+
+
+def prompt_indices(step, rank, world_size, args, num_examples):
+    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
+    picks up exactly where it stopped. Epoch 0 keeps the task's own (seeded) order, later epochs reshuffle."""
+    per_rank = args.prompts_per_step // world_size
+    first = step * args.prompts_per_step + rank * per_rank
+    indices = []
+    for g in range(first, first + per_rank):
+        epoch, i = divmod(g, num_examples)
+        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch)[i])
+    return indices
+
+
+def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config):
+    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
+    # the resume state first, the model after: a step counts as saved once its model file exists
+    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                 "ref_model": ref_model.state_dict() if ref_model is not None else None},
+                os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
+    save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
+
+
+# -----------------------------------------------------------------------------
+# One step of training: the batch, the frozen log-probs, the update
+
+def make_batch(prompts, samples, rewards, args):
+    """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
+    padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
+    The loss mask keeps the tokens the policy sampled: no prompt, no forced calculator output, no padding."""
+    G = args.num_samples
+    lengths = samples["lengths"].tolist()
+    T = max(len(prompts[row // G]) + lengths[row] for row in range(len(lengths))) - 1
+    input_ids = torch.zeros(len(lengths), T, dtype=torch.long)  # [N, T]
+    target_ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(lengths), T)
+    for row, length in enumerate(lengths):
+        prompt = prompts[row // G]
+        sequence = torch.tensor(prompt + samples["tokens"][row, :length].tolist())
+        input_ids[row, :len(sequence) - 1], target_ids[row, :len(sequence) - 1] = sequence[:-1], sequence[1:]
+        loss_mask[row, len(prompt) - 1:len(sequence) - 1] = samples["mask"][row, :length].float()
+    equal_groups = rewards.max(dim=1).values == rewards.min(dim=1).values  # [P]
+    if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
+        loss_mask *= (~equal_groups).repeat_interleave(G)[:, None]
+    if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
+        loss_mask *= (~samples["truncated"].cpu())[:, None]
+    advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
+    return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages)
+
+
+@torch.no_grad()
+def frozen_logprobs(net, batch, micro_batches, args, autocast):
+    with autocast:
+        return torch.cat([net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
+                          for mb in micro_batches])
+
+
+def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
+    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds)."""
+    device = batch["input_ids"].device
+    loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
+    N = loss_mask.size(0)
+    micro_batches = [slice(i, min(i + args.device_batch_size, N)) for i in range(0, N, args.device_batch_size)]
+    minibatches = [micro_batches[i::args.num_minibatches] for i in range(args.num_minibatches)]
+
+    # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
+    # itself, detached. Computed over the same micro-batches as the first update, so that rho == 1 exactly there.
+    start = time.time()
+    old_logprobs = frozen_logprobs(model, batch, micro_batches, args, autocast) if args.ppo_epochs * args.num_minibatches > 1 else None
+    ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast) if ref_model is not None else None
+    time_logprobs = time.time() - start
+
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "tokens", "kl", "neg_logprob")}
+    ratio_min, ratio_max = zero + float("inf"), zero - float("inf")
+    grad_norms, skipped = [], 0
+    model.train()
+    for epoch in range(args.ppo_epochs):
+        for minibatch in minibatches:
+            counts = [aggregation_count(loss_mask[mb], args.aggregation, args.max_new_tokens) for mb in minibatch]
+            denominator = all_reduce(torch.stack(counts).sum().float().to(device)).clamp(min=1)  # global, over ranks
+            minibatch_loss = zero.clone()
+            for mb in minibatch:
+                mask = loss_mask[mb]
+                with autocast:
+                    logprobs = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)  # [B, T]
+                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
+                policy, clipped = clipped_policy_loss(logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high)
+                loss_policy = aggregate(policy, mask, args.aggregation, denominator)
+                loss = loss_policy
+                if ref_model is not None:  # the KL penalty, weighted by beta
+                    kl = kl_penalty(logprobs, ref_logprobs[mb], args.kl_estimator)
+                    loss_kl = aggregate(kl, mask, args.aggregation, denominator)
+                    loss = loss_policy + args.kl_coef * loss_kl
+                    sums["loss_kl"] += loss_kl.detach()
+                    sums["kl"] += (kl.detach() * mask).sum()
+                loss.backward()
+                minibatch_loss += loss.detach()
+                with torch.no_grad():
+                    sums["loss"] += loss
+                    sums["loss_policy"] += loss_policy
+                    sums["clipped"] += (clipped * mask).sum()
+                    sums["tokens"] += mask.sum()
+                    sums["neg_logprob"] -= (logprobs * mask).sum()
+                    ratio = torch.exp(logprobs - old).masked_fill(mask == 0, 1.0)
+                    ratio_min, ratio_max = torch.minimum(ratio_min, ratio.min()), torch.maximum(ratio_max, ratio.max())
+            # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
+            for p in model.parameters():
+                all_reduce(p.grad)
+            if not torch.isfinite(all_reduce(minibatch_loss.clone())):
+                skipped += 1  # never step on a NaN/inf: the weights stay as they were
+                model.zero_grad(set_to_none=True)
+                continue
+            if args.grad_clip > 0:
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+            for opt in optimizers:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+
+    sums = dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
+    passes = args.ppo_epochs * args.num_minibatches
+    tokens = sums["tokens"].clamp(min=1)
+    return {
+        "loss": (sums["loss"] / passes).item(),
+        "loss_policy": (sums["loss_policy"] / passes).item(),
+        "loss_kl": (sums["loss_kl"] / passes).item() if ref_model is not None else None,
+        "kl": (sums["kl"] / tokens).item() if ref_model is not None else None,
+        "clip_frac": (sums["clipped"] / tokens).item(),
+        "ratio_min": all_reduce(ratio_min, dist.ReduceOp.MIN).item(),
+        "ratio_max": all_reduce(ratio_max, dist.ReduceOp.MAX).item(),
+        "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
+        "skipped_updates": skipped,
+    }, time_logprobs
+
+
+# -----------------------------------------------------------------------------
+# Training
+
+def main(argv=None):
+    args = resolve_config(argv)
+    # --- distributed setup: torchrun sets these; a plain `python grpo.py` is rank 0 of 1
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    # bf16 autocast on CUDA (weights and optimizer state stay float32); plain float32 on CPU
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    torch.manual_seed(args.seed)
+
+    # --- the run directory and the resolved configuration, printed and saved
+    run_dir = os.path.join(args.runs_dir, args.run)
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb")}
+    config["world_size"] = world_size
+    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+
+    # --- tasks, policy, reference, optimizers
+    try:
+        if args.task == "gsm8k":
+            train_task, test_task = GSM8K("train", args.gsm8k_dir), GSM8K("test", args.gsm8k_dir)
+        else:
+            train_task, test_task = Sort("train", args.sort_length, args.seed), Sort("test", args.sort_length, args.seed)
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    model, tokenizer, tag = load_policy(args)
+    model.to(device)
+    optimizers = make_optimizers(model, args)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
+    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    start_step = 0
+    if args.resume:
+        start_step = resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device)
+        log(f"resumed from step {start_step} of {checkpoint_dir}")
+    elif master:
+        if os.path.isfile(metrics_path):
+            sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or another --run name")
+        os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)
+        atomic_save(config, os.path.join(run_dir, "config.json"))
+        with open(os.path.join(run_dir, "tokenizer", "tokenizer.pkl"), "wb") as f:  # run_dir is a nanochat base dir
+            pickle.dump(tokenizer.enc, f)
+    if master:  # a resumed run rewrites what was logged after its checkpoint
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step] if args.resume else []
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+    wandb_run = None
+    if args.wandb and master:
+        try:
+            import wandb
+        except ImportError:
+            sys.exit("error: --wandb needs the wandb package: pip install wandb")
+        wandb_run = wandb.init(project=args.wandb, name=args.run, config=config)
+
+    def record(metrics):
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            if wandb_run:
+                wandb_run.log(metrics, step=metrics["step"])
+
+    def run_eval(step, num_examples):
+        model.eval()
+        result = evaluate(model, tokenizer, test_task, num_examples, args, rank, world_size, autocast)
+        log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+        record({"step": step, **result})
+
+    if start_step == 0 and args.eval_every:
+        run_eval(0, args.eval_examples)
+    bad_steps, run_start = 0, time.time()
+    for step in range(start_step, args.num_steps):
+        step_start = time.time()
+        lr_multiplier = 1.0 - step / args.num_steps  # linear decay to zero, as nanochat
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier
+        if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
+            ref_model.load_state_dict(model.state_dict())  # DeepSeekMath's iterative variant
+
+        # 1. Sample a group of G replies for each of this rank's questions.
+        model.eval()
+        indices = prompt_indices(step, rank, world_size, args, len(train_task))
+        conversations = [train_task[i] for i in indices]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
+        with autocast:
+            samples = generate(model, tokenizer, prompts, args.num_samples, args.max_new_tokens, args.temperature,
+                               args.top_k, seed=seeds)
+        time_sample = time.time() - step_start
+
+        # 2. Score them; 3. build the batch with group-relative advantages; 4-5. update the policy.
+        G = args.num_samples
+        rewards = torch.tensor([train_task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
+                                for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
+        batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards, args).items()}
+        update_start = time.time()
+        stats, time_logprobs = policy_update(model, optimizers, batch, args, autocast, ref_model)
+        time_update = time.time() - update_start - time_logprobs
+
+        # 6. Log, evaluate, save.
+        counts = all_reduce(torch.tensor([len(prompts), rewards.numel(), rewards.sum(), rewards.std(dim=1).sum(),
+                                          (rewards.max(1).values == rewards.min(1).values).sum(),
+                                          samples["lengths"].sum().item(), samples["truncated"].sum().item()],
+                                         dtype=torch.float64, device=device)).tolist()
+        groups, replies = counts[0], counts[1]
+        metrics = {"step": step + 1, "reward": counts[2] / replies, "reward_group_std": counts[3] / groups,
+                   "equal_group_frac": counts[4] / groups, **stats, "reply_len": counts[5] / replies,
+                   "truncated_frac": counts[6] / replies, "lr_multiplier": lr_multiplier,
+                   "time_sample": time_sample, "time_logprobs": time_logprobs, "time_update": time_update,
+                   "tokens_per_s": counts[5] / time_sample,
+                   "peak_mem_mb": (torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda"
+                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                   "wall_time": time.time() - run_start}
+        record(metrics)
+        log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups {metrics['equal_group_frac']:.2f} "
+            f"| len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
+            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
+            + f" | clip {metrics['clip_frac']:.3f} | {time.time() - step_start:.2f}s (sample {time_sample:.2f}, "
+              f"logprobs {time_logprobs:.2f}, update {time_update:.2f}) | {metrics['tokens_per_s']:.0f} tok/s")
+        bad_steps = bad_steps + 1 if stats["skipped_updates"] else 0
+        if stats["skipped_updates"]:
+            log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
+        if bad_steps >= args.max_bad_steps:
+            sys.exit(f"error: {bad_steps} steps in a row had a non-finite loss; stopped without saving. The last good "
+                     f"checkpoint in {checkpoint_dir} is kept: lower the learning rate or set --grad-clip, then --resume")
+        last = step + 1 == args.num_steps
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+            run_eval(step + 1, args.final_eval_examples if last else args.eval_examples)
+        if master and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+            save_training_state(run_dir, tag, step + 1, model, ref_model, optimizers, config)
+    log(f"done: {args.num_steps} steps in {time.time() - run_start:.0f}s; metrics in {metrics_path}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return model
+
+
+def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device):
+    """Load the run's latest complete checkpoint into model, reference and optimizers -> its step."""
+    saved = [s for s in checkpoint_steps(checkpoint_dir) if os.path.isfile(os.path.join(checkpoint_dir, f"state_{s:06d}.pt"))
+             and os.path.isfile(os.path.join(checkpoint_dir, f"meta_{s:06d}.json"))]
+    if not saved:
+        sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
+    with open(os.path.join(run_dir, "config.json")) as f:
+        differing = sorted(k for k, v in json.load(f).items() if config.get(k) != v)
+    if differing:
+        sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(differing)}): pass the original flags")
+    step = saved[-1]
+    state = torch.load(os.path.join(checkpoint_dir, f"state_{step:06d}.pt"), map_location=device, weights_only=True)
+    model.load_state_dict(load_checkpoint(checkpoint_dir, step)[0].state_dict())
+    for opt, opt_state in zip(optimizers, state["optimizers"]):
+        opt.load_state_dict(opt_state)
+    if ref_model is not None:
+        ref_model.load_state_dict(state["ref_model"])
+    return step
+
+
+if __name__ == "__main__":
+    main()
