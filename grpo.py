@@ -88,7 +88,7 @@ parser.add_argument("--eval-examples", type=int, default=400, help="test problem
 parser.add_argument("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
 parser.add_argument("--pass-k", type=int, default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
 parser.add_argument("--save-every", type=int, default=60)
-parser.add_argument("--run", default=None, help="run name: files go to <runs-dir>/<run>/")
+parser.add_argument("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
 parser.add_argument("--runs-dir", default="runs")
 parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
 parser.add_argument("--seed", type=int, default=0)
@@ -131,8 +131,8 @@ def resolve_config(argv=None):
         args.clip_eps_high = args.clip_eps
     if args.num_steps is None:
         args.num_steps = 7473 // args.prompts_per_step if args.task == "gsm8k" else 300
-    if args.run is None:
-        args.run = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
+    if args.run_name is None:
+        args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = [
         (args.prompts_per_step % world_size, f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
@@ -421,8 +421,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     device = batch["input_ids"].device
     loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
     N = loss_mask.size(0)
-    micro_batches = [slice(i, min(i + args.device_batch_size, N)) for i in range(0, N, args.device_batch_size)]
-    minibatches = [micro_batches[i::args.num_minibatches] for i in range(args.num_minibatches)]
+    bounds = [i * N // args.num_minibatches for i in range(args.num_minibatches + 1)]  # rows of each minibatch
+    minibatches = [[slice(j, min(j + args.device_batch_size, end)) for j in range(start, end, args.device_batch_size)]
+                   for start, end in zip(bounds, bounds[1:])]  # each a list of micro-batches (memory only)
+    micro_batches = [mb for minibatch in minibatches for mb in minibatch]
 
     # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
     # itself, detached. Computed over the same micro-batches as the first update, so that rho == 1 exactly there.
@@ -515,7 +517,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     # --- the run directory and the resolved configuration, printed and saved
-    run_dir = os.path.join(args.runs_dir, args.run)
+    run_dir = os.path.join(args.runs_dir, args.run_name)
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb")}
     config["world_size"] = world_size
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
@@ -555,7 +557,7 @@ def main(argv=None):
             import wandb
         except ImportError:
             sys.exit("error: --wandb needs the wandb package: pip install wandb")
-        wandb_run = wandb.init(project=args.wandb, name=args.run, config=config)
+        wandb_run = wandb.init(project=args.wandb, name=args.run_name, config=config)
 
     def record(metrics):
         if master:
@@ -631,7 +633,7 @@ def main(argv=None):
         last = step + 1 == args.num_steps
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             run_eval(step + 1, args.final_eval_examples if last else args.eval_examples)
-        if master and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+        if master and not bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
             save_training_state(run_dir, tag, step + 1, model, ref_model, optimizers, config)
     log(f"done: {args.num_steps} steps in {time.time() - run_start:.0f}s; metrics in {metrics_path}")
     if world_size > 1:

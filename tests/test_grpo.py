@@ -1,0 +1,320 @@
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo
+from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
+from tasks.sort import Sort
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOK = Tokenizer.byte_level()
+NO_AUTOCAST = grpo.nullcontext()
+
+
+def args_for(*flags):
+    return grpo.resolve_config(["--demo", *flags])
+
+
+class GradRecorder:
+    """An 'optimizer' that records the gradient it is asked to apply, and leaves the weights alone."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, []
+
+    def step(self):
+        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+
+
+def sampled_batch(args, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=TOK.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    task = Sort("train")
+    conversations = [task[i] for i in range(4)]
+    prompts = [TOK.render_for_completion(c) for c in conversations]
+    samples = generate(model, TOK, prompts, args.num_samples, 6, temperature=1.0, seed=seed)
+    rewards = torch.tensor([[0.0, 1.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.9]] * 4)[:, :args.num_samples]
+    rewards[3] = 0.7  # an all-equal group
+    return model, grpo.make_batch(prompts, samples, rewards, args)
+
+
+def gradients(model, batch, args):
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST)
+    return recorder.grads, stats
+
+
+# ---------------------------------------------------------------------------- the ladder of equivalences
+
+def test_grpo_path_with_one_epoch_no_kl_mean_advantage_is_reinforce():
+    reinforce = args_for("--algo", "reinforce")
+    grpo_like = args_for("--algo", "grpo", "--ppo-epochs", "1", "--kl-coef", "0", "--advantage", "mean",
+                         "--aggregation", "token")
+    model, batch = sampled_batch(reinforce)
+    (g_reinforce,), _ = gradients(model, batch, reinforce)
+    (g_grpo,), stats = gradients(model, batch, grpo_like)
+    # and both equal a plain REINFORCE loss written out by hand: -sum(A * log pi) / number of reply tokens
+    logprobs = model.token_logprobs(batch["input_ids"], batch["target_ids"])
+    mask = batch["loss_mask"]
+    rewards = batch["advantages"]  # mean advantages already; check them against the rewards too
+    by_hand = -(batch["advantages"][:, None] * logprobs * mask).sum() / mask.sum()
+    g_hand = torch.autograd.grad(by_hand, list(model.parameters()))
+    assert mask.sum() > 0 and rewards.abs().sum() > 0
+    for a, b, c in zip(g_reinforce, g_grpo, g_hand):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+    assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] == 0.0
+
+
+def test_ratio_is_exactly_one_on_the_first_update_of_every_schedule():
+    for flags in (["--algo", "grpo"], ["--algo", "grpo", "--num-minibatches", "3", "--device-batch-size", "5"],
+                  ["--algo", "dapo", "--ppo-epochs", "4"]):
+        args = args_for(*flags)
+        model, batch = sampled_batch(args)
+        grads, stats = gradients(model, batch, args)  # the recorder never moves the weights
+        assert len(grads) == args.ppo_epochs * args.num_minibatches
+        assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] == 0.0
+    # with a real optimizer the later passes see real ratios
+    args = args_for("--algo", "grpo", "--ppo-epochs", "3", "--lr", "0.05")
+    model, batch = sampled_batch(args)
+    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    assert stats["ratio_max"] > 1.0 and stats["ratio_min"] < 1.0 and stats["clip_frac"] > 0
+
+
+def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
+    calls = []
+    original = GPT.token_logprobs
+
+    def counting(self, *a, **k):
+        calls.append(torch.is_grad_enabled())
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(GPT, "token_logprobs", counting)
+    for flags, no_grad_calls in ((["--algo", "reinforce"], 0), (["--algo", "grpo", "--kl-coef", "0", "--ppo-epochs", "1"], 0),
+                                 (["--algo", "grpo", "--kl-coef", "0"], 1), (["--num-minibatches", "2"], 2)):  # one per micro-batch
+        args = args_for(*flags, "--device-batch-size", "64")
+        model, batch = sampled_batch(args)
+        calls.clear()
+        gradients(model, batch, args)
+        assert calls.count(False) == no_grad_calls, flags
+
+
+# ---------------------------------------------------------------------------- the terms, by hand
+
+def test_clipping_zeroes_exactly_the_gradients_it_should():
+    old = torch.zeros(1, 6)
+    #                        rho:  1.5   0.5   1.5   0.5   1.1   0.9
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.1, 0.9]])).requires_grad_()
+    advantages = torch.tensor([[2.0, -2.0, -2.0, 2.0, 2.0, -2.0]]).T.reshape(1, 6)
+    loss, clipped = grpo.clipped_policy_loss(logprobs, old, advantages, 0.2, 0.3)
+    loss.sum().backward()
+    ratio = logprobs.detach().exp()
+    # clipped: rho > 1.3 with A > 0, rho < 0.8 with A < 0
+    assert clipped.tolist() == [[True, True, False, False, False, False]]
+    assert logprobs.grad[0, :2].tolist() == [0.0, 0.0]
+    # elsewhere the unclipped gradient: d(-rho * A)/d(log pi) = -rho * A
+    torch.testing.assert_close(logprobs.grad[0, 2:], (-ratio * advantages)[0, 2:])
+    torch.testing.assert_close(loss[0, :2], torch.tensor([-1.3 * 2.0, -0.8 * -2.0]))
+
+
+def test_kl_estimators_by_hand():
+    logprobs = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.5, -2.0, -0.1])
+    d = logprobs - ref  # log pi - log pi_ref
+    torch.testing.assert_close(grpo.kl_penalty(logprobs, ref, "k1"), d)
+    torch.testing.assert_close(grpo.kl_penalty(logprobs, ref, "k2"), 0.5 * d ** 2)
+    torch.testing.assert_close(grpo.kl_penalty(logprobs, ref, "k3"), torch.exp(-d) + d - 1)
+    assert grpo.kl_penalty(logprobs, ref, "k3")[1] == 0
+    wide = torch.linspace(-10, 10, 101)
+    assert (grpo.kl_penalty(wide, torch.zeros(101), "k3") >= 0).all()
+    assert (grpo.kl_penalty(wide, wide, "k3") == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_kl_gradient_pulls_the_policy_towards_the_reference(estimator):
+    ref = torch.tensor([-1.0, -1.0, -3.0])
+    logprobs = torch.tensor([-2.0, -0.5, -3.0], requires_grad=True)
+    grpo.kl_penalty(logprobs, ref, estimator).sum().backward()
+    stepped = logprobs.detach() - 0.1 * logprobs.grad  # a descent step
+    assert ((stepped - ref).abs() <= (logprobs.detach() - ref).abs()).all()
+    assert ((stepped - ref).abs() < (logprobs.detach() - ref).abs())[:2].all()
+
+
+def test_advantages_by_hand_and_all_equal_groups():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 3.0]])
+    mean = grpo.group_advantages(rewards, "mean")
+    torch.testing.assert_close(mean, torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [-0.75, -0.75, -0.75, 2.25]]))
+    z = grpo.group_advantages(rewards, "zscore")
+    std = math.sqrt(1 / 3)  # unbiased std of 1, 0, 0, 1
+    torch.testing.assert_close(z[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-4))
+    assert (z[1] == 0).all() and torch.isfinite(z).all()
+    torch.testing.assert_close(z[2], mean[2] / (1.5 + 1e-4))
+
+
+def test_aggregations_by_hand_including_an_all_masked_reply():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    expected = {"token": (1 + 2 + 4) / 3, "sequence": ((1 + 2) / 2 + 4 / 1) / 2, "constant": (1 + 2 + 4) / (3 * 5)}
+    for kind, value in expected.items():
+        denominator = grpo.aggregation_count(mask, kind, max_new_tokens=5).float()
+        assert grpo.aggregate(per_token, mask, kind, denominator).item() == pytest.approx(value)
+        # shares of micro-batches add up to the whole, whatever the split
+        parts = sum(grpo.aggregate(per_token[s], mask[s], kind, denominator) for s in (slice(0, 1), slice(1, 3)))
+        assert parts.item() == pytest.approx(value)
+
+
+def test_drop_equal_groups_and_mask_truncated_shape_the_loss_mask():
+    args = args_for("--algo", "dapo")
+    _, plain = sampled_batch(args_for())
+    _, dapo = sampled_batch(args)
+    G = args.num_samples
+    assert plain["loss_mask"][3 * G:].sum() > 0 and dapo["loss_mask"][3 * G:].sum() == 0  # group 3 is all-equal
+    assert (dapo["loss_mask"] <= plain["loss_mask"]).all()
+
+
+def test_presets_and_explicit_overrides():
+    grpo_args = args_for("--algo", "grpo")
+    assert (grpo_args.advantage, grpo_args.aggregation, grpo_args.ppo_epochs, grpo_args.clip_eps,
+            grpo_args.clip_eps_high, grpo_args.kl_coef, grpo_args.kl_estimator) == ("zscore", "sequence", 2, 0.2, 0.2, 0.04, "k3")
+    overridden = args_for("--algo", "grpo", "--kl-coef", "0", "--no-drop-equal-groups", "--lr", "0.1")
+    assert overridden.kl_coef == 0 and overridden.ppo_epochs == 2 and overridden.lr == 0.1
+    dapo = args_for("--algo", "dapo")
+    assert (dapo.clip_eps_high, dapo.drop_equal_groups, dapo.mask_truncated, dapo.aggregation) == (0.28, True, True, "token")
+    assert args_for("--algo", "dr_grpo").aggregation == "constant"
+    assert grpo.resolve_config([]).task == "gsm8k"  # --demo defaults do not leak into later parses
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-samples", "1"], "groups of at least 2"),
+    (["--clip-eps", "0"], "clip-eps"),
+    (["--kl-coef", "-0.1"], "kl-coef"),
+    (["--ref-reset-every", "5"], "--kl-coef > 0"),
+    (["--temperature", "0"], "temperature"),
+    (["--num-minibatches", "1000"], "num-minibatches"),
+])
+def test_bad_flags_exit_2_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.resolve_config(["--demo", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_prompts_not_divisible_by_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.resolve_config(["--demo", "--prompts-per-step", "32"])
+    assert exit_info.value.code == 2 and "not divisible" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- whole runs
+
+def run_flags(tmp_path, name, *extra):
+    return ["--demo", "--runs-dir", str(tmp_path), "--run-name", name, "--eval-every", "0", "--prompts-per-step", "8",
+            "--num-samples", "4", *extra]
+
+
+def final_state(tmp_path, name, step):
+    model, _ = load_checkpoint(str(tmp_path / name / "chatrl_checkpoints" / "d2"), step)
+    return model.state_dict()
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    flags = ["--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "muon"]
+    grpo.main(run_flags(tmp_path, "straight", *flags))
+    save = grpo.save_training_state
+
+    def save_then_crash(*a, **k):
+        save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "save_training_state", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.main(run_flags(tmp_path, "resumed", *flags))
+    monkeypatch.setattr(grpo, "save_training_state", save)
+    grpo.main(run_flags(tmp_path, "resumed", *flags, "--resume"))
+    for (k, a), b in zip(final_state(tmp_path, "straight", 4).items(), final_state(tmp_path, "resumed", 4).values()):
+        assert torch.equal(a, b), k
+    metrics = [[json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("straight", "resumed")]
+    assert [m["step"] for m in metrics[1]] == [1, 2, 3, 4]
+    for a, b in zip(*metrics):
+        assert a["reward"] == b["reward"] and a["loss"] == b["loss"]
+
+
+def test_resume_refuses_other_flags_and_a_missing_run(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        grpo.main(run_flags(tmp_path, "nothing", "--resume"))
+    grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
+    with pytest.raises(SystemExit, match="already holds a run"):
+        grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
+    with pytest.raises(SystemExit, match="lr"):
+        grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--lr", "0.5", "--resume"))
+
+
+def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    original, calls = grpo.clipped_policy_loss, []
+
+    def poisoned(*a):
+        calls.append(1)
+        loss, clipped = original(*a)
+        return (loss * float("nan") if len(calls) > 2 else loss), clipped
+
+    monkeypatch.setattr(grpo, "clipped_policy_loss", poisoned)
+    with pytest.raises(SystemExit, match="non-finite"):
+        grpo.main(run_flags(tmp_path, "nan", "--num-steps", "10", "--save-every", "1", "--device-batch-size", "64"))
+    checkpoints = sorted(os.listdir(tmp_path / "nan" / "chatrl_checkpoints" / "d2"))
+    assert checkpoints == ["meta_000001.json", "meta_000002.json", "model_000001.pt", "model_000002.pt",
+                           "state_000001.pt", "state_000002.pt"]
+    assert "warning: step 3: non-finite loss" in capsys.readouterr().out
+    metrics = [json.loads(line) for line in open(tmp_path / "nan" / "metrics.jsonl")]
+    assert [m["skipped_updates"] for m in metrics] == [0, 0, 1, 1, 1]
+
+
+def test_ddp_step_equals_single_process_step(tmp_path):
+    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4")
+    single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
+    double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "grpo.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+                    "grpo.py", *double], cwd=ROOT, env=env, check=True, capture_output=True)
+    a, b = final_state(tmp_path, "single", 1), final_state(tmp_path, "ddp", 1)
+    start = GPT(GPTConfig(**json.load(open(tmp_path / "single" / "chatrl_checkpoints" / "d2" / "meta_000001.json"))["model_config"]))
+    start.init_weights(0)
+    moved = 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+        moved += not torch.equal(a[k], start.state_dict()[k])
+    assert moved > 0  # the step really changed the weights
+    ms = [json.loads(open(tmp_path / n / "metrics.jsonl").readline()) for n in ("single", "ddp")]
+    assert ms[0]["reward"] == ms[1]["reward"] and ms[0]["loss"] == pytest.approx(ms[1]["loss"], abs=1e-6)
+
+
+def test_demo_learns_from_random_weights(tmp_path):
+    grpo.main(["--demo", "--runs-dir", str(tmp_path), "--run-name", "learn", "--num-steps", "40", "--eval-every", "40",
+               "--eval-examples", "128"])
+    evals = [m for m in map(json.loads, open(tmp_path / "learn" / "metrics.jsonl")) if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [0, 40]
+    assert evals[1]["eval_reward"] > evals[0]["eval_reward"] + 0.1, evals
+
+
+def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
+    grpo.main(["--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--init", "scratch", "--depth", "1", "--n-embd", "32",
+               "--n-head", "1", "--device", "cpu", "--runs-dir", str(tmp_path), "--run-name", "g", "--num-steps", "1",
+               "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "1",
+               "--eval-examples", "3", "--final-eval-examples", "3", "--pass-k", "2", "--algo", "grpo"])
+    metrics = [json.loads(line) for line in open(tmp_path / "g" / "metrics.jsonl")]
+    final = metrics[-1]
+    assert final["step"] == 1 and final["eval_examples"] == 3
+    assert {"eval_strict", "eval_lenient", "eval_pass@1", "eval_pass@2"} <= set(final)
+    assert metrics[1]["kl"] is not None and os.path.isfile(tmp_path / "g" / "tokenizer" / "tokenizer.pkl")
+
+
+def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"(?s)chatsft_checkpoints.*--demo"):
+        grpo.main(["--gsm8k-dir", gsm8k_dir, "--runs-dir", str(tmp_path), "--device", "cpu"])
