@@ -86,6 +86,7 @@ parser.add_argument("--num-steps", type=int, default=None, help="default: one ep
 parser.add_argument("--eval-every", type=int, default=60)
 parser.add_argument("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 parser.add_argument("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
+parser.add_argument("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
 parser.add_argument("--pass-k", type=int, default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
 parser.add_argument("--save-every", type=int, default=60)
 parser.add_argument("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
@@ -95,6 +96,7 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
 parser.add_argument("--max-bad-steps", type=int, default=3, help="stop after this many non-finite losses in a row")
 parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
+parser.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="print a side-by-side table of these runs, plot them to <runs-dir>/compare.png, exit")
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
@@ -502,6 +504,8 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
 
 def main(argv=None):
     args = resolve_config(argv)
+    if args.compare:
+        return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
     # --- distributed setup: torchrun sets these; a plain `python grpo.py` is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -518,7 +522,7 @@ def main(argv=None):
 
     # --- the run directory and the resolved configuration, printed and saved
     run_dir = os.path.join(args.runs_dir, args.run_name)
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb")}
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
     config["world_size"] = world_size
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
 
@@ -571,7 +575,10 @@ def main(argv=None):
         result = evaluate(model, tokenizer, test_task, num_examples, args, rank, world_size, autocast)
         log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
         record({"step": step, **result})
+        return result
 
+    if args.eval_only:
+        return run_eval(start_step, args.final_eval_examples)
     if start_step == 0 and args.eval_every:
         run_eval(0, args.eval_examples)
     bad_steps, run_start = 0, time.time()
@@ -659,6 +666,78 @@ def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device
     if ref_model is not None:
         ref_model.load_state_dict(state["ref_model"])
     return step
+
+
+# -----------------------------------------------------------------------------
+# Comparing runs
+
+def eval_score_key(config):
+    return "eval_reward" if config["task"] == "sort" else "eval_strict"
+
+
+def compare_runs(run_dirs, plot_path):
+    """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed."""
+    runs = {}
+    for run_dir in run_dirs:
+        try:
+            with open(os.path.join(run_dir, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                metrics = [json.loads(line) for line in f]
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
+        runs[os.path.basename(os.path.normpath(run_dir))] = (config, metrics)
+
+    def column(metrics, key):
+        return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+
+    def fmt(value):
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    header = ["run", "algo", "steps", "reward(last10)", "best reward", "eval", "best eval", "pass@1", "pass@k",
+              "kl", "clip frac", "reply len", "wall s", "tok/s"]
+    table = [header]
+    for name, (config, metrics) in runs.items():
+        train = [m for m in metrics if "reward" in m]
+        evals = column(metrics, eval_score_key(config))
+        pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
+        last = lambda key: train[-1].get(key) if train else None  # noqa: E731
+        table.append([name, config["algo"], len(train),
+                      sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
+                      max((m["reward"] for m in train), default=None),
+                      evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
+                      metrics[-1].get("eval_pass@1") if pass_k else None,
+                      metrics[-1].get(pass_k[-1][1]) if pass_k else None,
+                      last("kl"), sum(m["clip_frac"] for m in train) / max(1, len(train)), last("reply_len"),
+                      last("wall_time"), sum(m["tokens_per_s"] for m in train) / max(1, len(train))])
+    widths = [max(len(fmt(row[i])) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
+    print("eval = greedy held-out mean reward (sort) or strict GSM8K accuracy; pass@k from --pass-k samples")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return table
+    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"), ("reply_len", "reply length")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for name, (config, metrics) in runs.items():
+            points = column(metrics, key or eval_score_key(config))
+            if points:
+                ax.plot(*zip(*points), label=name, marker="o" if key is None else None, markersize=3)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend()
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+    fig.savefig(plot_path, dpi=110)
+    print(f"plot: {plot_path}")
+    return table
 
 
 if __name__ == "__main__":

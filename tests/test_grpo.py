@@ -295,10 +295,10 @@ def test_ddp_step_equals_single_process_step(tmp_path):
 
 
 def test_demo_learns_from_random_weights(tmp_path):
-    grpo.main(["--demo", "--runs-dir", str(tmp_path), "--run-name", "learn", "--num-steps", "40", "--eval-every", "40",
-               "--eval-examples", "128"])
+    grpo.main(["--demo", "--algo", "grpo", "--runs-dir", str(tmp_path), "--run-name", "learn", "--num-steps", "60",
+               "--eval-every", "60"])
     evals = [m for m in map(json.loads, open(tmp_path / "learn" / "metrics.jsonl")) if "eval_reward" in m]
-    assert [m["step"] for m in evals] == [0, 40]
+    assert [m["step"] for m in evals] == [0, 60]
     assert evals[1]["eval_reward"] > evals[0]["eval_reward"] + 0.1, evals
 
 
@@ -312,6 +312,21 @@ def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
     assert final["step"] == 1 and final["eval_examples"] == 3
     assert {"eval_strict", "eval_lenient", "eval_pass@1", "eval_pass@2"} <= set(final)
     assert metrics[1]["kl"] is not None and os.path.isfile(tmp_path / "g" / "tokenizer" / "tokenizer.pkl")
+
+
+def test_eval_only_and_compare(tmp_path, capsys):
+    grpo.main(run_flags(tmp_path, "a", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8"))
+    grpo.main(run_flags(tmp_path, "b", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8", "--algo", "grpo"))
+    result = grpo.main(["--demo", "--init", str(tmp_path / "a" / "chatrl_checkpoints" / "d2"), "--eval-only",
+                        "--final-eval-examples", "16", "--runs-dir", str(tmp_path), "--run-name", "e"])
+    assert result["eval_examples"] == 16
+    capsys.readouterr()
+    table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert [row[:3] for row in table[1:]] == [["a", "reinforce", 2], ["b", "grpo", 2]]
+    assert "reinforce" in out and "grpo" in out
+    with pytest.raises(SystemExit, match="not a finished run"):
+        grpo.main(["--compare", str(tmp_path / "missing")])
 
 
 def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):
