@@ -724,10 +724,10 @@ def compare_runs(run_dirs, plot_path):
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"), ("reply_len", "reply length")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, title) in zip(axes.flat, panels):
-        for name, (config, metrics) in runs.items():
+        for i, (name, (config, metrics)) in enumerate(runs.items()):  # one colour per run in every panel
             points = column(metrics, key or eval_score_key(config))
             if points:
-                ax.plot(*zip(*points), label=name, marker="o" if key is None else None, markersize=3)
+                ax.plot(*zip(*points), label=name, color=f"C{i}", marker="o" if key is None else None, markersize=3)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0, 0].legend()
