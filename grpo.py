@@ -19,6 +19,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
 import argparse
 import copy
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -153,6 +154,7 @@ def resolve_config(argv=None):
         (args.top_k < 0 or args.max_new_tokens < 1 or args.device_batch_size < 1 or args.num_steps < 1,
          "--top-k must be >= 0; --max-new-tokens, --device-batch-size and --num-steps >= 1"),
         (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
+        (args.wandb and importlib.util.find_spec("wandb") is None, "--wandb needs the wandb package: pip install wandb"),
     ]
     for bad, message in problems:
         if bad:
@@ -272,6 +274,12 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
     return tensor
 
 
+def leave_process_group():
+    if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort (SIGABRT)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def progress(label, done, total, start):
     """Progress with time left, redrawn in place on a terminal; silent in log files."""
     if sys.stdout.isatty() and int(os.environ.get("RANK", "0")) == 0:
@@ -313,7 +321,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
                               for g in range(args.pass_k))
                 totals[4:] += torch.tensor([pass_at_k(args.pass_k, correct, k) for k in range(1, args.pass_k + 1)])
         progress("eval", min(i + chunk, len(mine)), len(mine), start)
-    totals = all_reduce(totals)
+    totals = all_reduce(totals.to(model.lm_head.weight.device))  # NCCL reduces GPU tensors only
     count = totals[0].clamp(min=1)
     result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item(),
               "eval_exact" if args.task == "sort" else "eval_strict": (totals[2] / count).item()}
@@ -510,6 +518,9 @@ def main(argv=None):
     args = resolve_config(argv)
     if args.compare:
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
+    run_dir = os.path.join(args.runs_dir, args.run_name)
+    if not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # every rank, before they meet
+        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     # --- distributed setup: torchrun sets these; a plain `python grpo.py` is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -525,7 +536,6 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     # --- the run directory and the resolved configuration, printed and saved
-    run_dir = os.path.join(args.runs_dir, args.run_name)
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
     config["world_size"] = world_size
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
@@ -548,23 +558,18 @@ def main(argv=None):
     if args.resume:
         start_step = resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device)
         log(f"resumed from step {start_step} of {checkpoint_dir}")
-    elif master:
-        if os.path.isfile(metrics_path):
-            sys.exit(f"error: {run_dir} already holds a run: pass --resume to continue it, or another --run name")
+    if master:  # config.json is rewritten on resume too: its evaluation and saving flags may have changed
         os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)
         atomic_save(config, os.path.join(run_dir, "config.json"))
         with open(os.path.join(run_dir, "tokenizer", "tokenizer.pkl"), "wb") as f:  # run_dir is a nanochat base dir
             pickle.dump(tokenizer.enc, f)
-    if master:  # a resumed run rewrites what was logged after its checkpoint
+        # a resumed run drops what was logged after its checkpoint: those steps run again
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step] if args.resume else []
         with open(metrics_path, "w") as f:
             f.writelines(kept)
     wandb_run = None
     if args.wandb and master:
-        try:
-            import wandb
-        except ImportError:
-            sys.exit("error: --wandb needs the wandb package: pip install wandb")
+        import wandb
         wandb_run = wandb.init(project=args.wandb, name=args.run_name, config=config)
 
     def record(metrics):
@@ -582,7 +587,9 @@ def main(argv=None):
         return result
 
     if args.eval_only:
-        return run_eval(start_step, args.final_eval_examples)
+        result = run_eval(start_step, args.final_eval_examples)
+        leave_process_group()
+        return result
     if start_step == 0 and args.eval_every:
         run_eval(0, args.eval_examples)
     bad_steps, run_start = 0, time.time()
@@ -649,9 +656,14 @@ def main(argv=None):
     log(f"done: {args.num_steps} steps in {time.time() - run_start:.0f}s; metrics in {metrics_path}")
     if master:  # the summary: this run as a one-row comparison table, and its curves
         compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
-    if world_size > 1:
-        dist.destroy_process_group()
+    leave_process_group()
     return model
+
+
+
+# Flags that a resumed run may change: they decide what is evaluated and saved, never the weights' trajectory
+# (evaluation samples with its own seeds, so it does not move the training RNG).
+NOT_TRAJECTORY = ("eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every", "max_bad_steps")
 
 
 def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device):
@@ -661,7 +673,7 @@ def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device
     if not saved:
         sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
     with open(os.path.join(run_dir, "config.json")) as f:
-        differing = sorted(k for k, v in json.load(f).items() if config.get(k) != v)
+        differing = sorted(k for k, v in json.load(f).items() if config.get(k) != v and k not in NOT_TRAJECTORY)
     if differing:
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(differing)}): pass the original flags")
     step = saved[-1]

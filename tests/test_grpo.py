@@ -245,14 +245,22 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
         assert a["reward"] == b["reward"] and a["loss"] == b["loss"]
 
 
-def test_resume_refuses_other_flags_and_a_missing_run(tmp_path):
+def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint"):
         grpo.main(run_flags(tmp_path, "nothing", "--resume"))
     grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
-    with pytest.raises(SystemExit, match="already holds a run"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
+    assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="lr"):
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--lr", "0.5", "--resume"))
+    # evaluation flags may change: they never move the weights
+    result = grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--resume", "--eval-only", "--final-eval-examples", "5"))
+    assert result["eval_examples"] == 5
+    metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    assert [(m["step"], "reward" in m, m.get("eval_examples")) for m in metrics] == [(1, True, None), (1, False, 5)]
+    assert json.load(open(tmp_path / "r" / "config.json"))["final_eval_examples"] == 5
 
 
 def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
@@ -275,7 +283,9 @@ def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, 
 
 
 def test_ddp_step_equals_single_process_step(tmp_path):
-    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4")
+    # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers
+    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4",
+                      "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
     single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
     double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -290,8 +300,12 @@ def test_ddp_step_equals_single_process_step(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
         moved += not torch.equal(a[k], start.state_dict()[k])
     assert moved > 0  # the step really changed the weights
-    ms = [json.loads(open(tmp_path / n / "metrics.jsonl").readline()) for n in ("single", "ddp")]
-    assert ms[0]["reward"] == ms[1]["reward"] and ms[0]["loss"] == pytest.approx(ms[1]["loss"], abs=1e-6)
+    logs = [[json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("single", "ddp")]
+    train = [next(m for m in log if "reward" in m) for log in logs]
+    assert train[0]["reward"] == train[1]["reward"] and train[0]["loss"] == pytest.approx(train[1]["loss"], abs=1e-6)
+    evals = [[m for m in log if "eval_reward" in m] for log in logs]
+    assert [m["step"] for m in evals[1]] == [0, 1] and all(m["eval_examples"] == 7 for m in evals[1])
+    assert len(evals[0]) == 2 and all(a == pytest.approx(b) for a, b in zip(*evals))
 
 
 def test_demo_learns_from_random_weights(tmp_path):
