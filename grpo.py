@@ -660,7 +660,6 @@ def main(argv=None):
     return model
 
 
-
 # Flags that a resumed run may change: they decide what is evaluated and saved, never the weights' trajectory
 # (evaluation samples with its own seeds, so it does not move the training RNG).
 NOT_TRAJECTORY = ("eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every", "max_bad_steps")
