@@ -417,7 +417,7 @@ def make_batch(prompts, samples, rewards, args):
     if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
         loss_mask *= (~equal_groups).repeat_interleave(G)[:, None]
     if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
-        loss_mask *= (~samples["truncated"].cpu())[:, None]
+        loss_mask *= (~samples["truncated"])[:, None]
     advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
     return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
                 equal_groups=equal_groups)  # [P], logged

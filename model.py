@@ -465,7 +465,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
       mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
         calculator forced it and on padding;
       lengths [N]: reply length including the stop token and forced tokens;
-      truncated [N]: the reply hit max_new_tokens before a stop token."""
+      truncated [N]: the reply hit max_new_tokens before a stop token.
+    They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
     device = model.lm_head.weight.device
     P, G = len(prompts), num_samples
     N = P * G
@@ -528,4 +529,4 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
         logits = model(token[:, None], cache, softcap=False)[:, -1]
         sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1])
-    return dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated)
+    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated).items()}
