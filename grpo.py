@@ -25,6 +25,7 @@ import math
 import os
 import pickle
 import random
+import re
 import resource
 import sys
 import time
@@ -33,8 +34,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from model import (GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
-                   load_checkpoint, nanochat_base_dir, save_checkpoint)
+from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
+                   load_checkpoint, master_weights, nanochat_base_dir, save_checkpoint)
 from tasks.gsm8k import GSM8K, is_correct
 from tasks.sort import Sort
 
@@ -63,6 +64,8 @@ parser.add_argument("--sort-length", type=int, default=5, help="digits per sort 
 parser.add_argument("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint; 'scratch': a new model; or a checkpoint directory")
 parser.add_argument("--init-step", type=int, default=None, help="checkpoint step to start from (default: the largest)")
 parser.add_argument("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
+parser.add_argument("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation of the start checkpoint (default: read off its files)")
+parser.add_argument("--window-pattern", default=None, help="attention windows (S/L per layer) where the checkpoint's config has none (default: L, as nanochat)")
 parser.add_argument("--depth", type=int, default=4, help="scratch model: layers")
 parser.add_argument("--n-embd", type=int, default=256, help="scratch model: width")
 parser.add_argument("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
@@ -154,6 +157,10 @@ def resolve_config(argv=None):
         (args.top_k < 0 or args.max_new_tokens < 1 or args.device_batch_size < 1 or args.num_steps < 1,
          "--top-k must be >= 0; --max-new-tokens, --device-batch-size and --num-steps >= 1"),
         (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
+        (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
+         "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
+        (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
+         f"--window-pattern {args.window_pattern!r} must be a string of S (short window) and L (long) per layer"),
         (args.wandb and importlib.util.find_spec("wandb") is None, "--wandb needs the wandb package: pip install wandb"),
     ]
     for bad, message in problems:
@@ -250,15 +257,25 @@ class Muon(torch.optim.Optimizer):
 def make_optimizers(model, args):
     if args.optimizer == "adamw":
         optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
-    else:  # nanochat's scheme: AdamW for the embedding and the head, with lrs scaled as 1/sqrt(width / 768)
-        scale = (model.config.n_embd / 768) ** -0.5
+    else:  # nanochat's scheme: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
+        scale = (model.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768: scaled as 1/sqrt(width)
         adam_groups = [dict(params=[model.transformer.wte.weight], lr=args.embedding_lr * scale),
                        dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale)]
+        if model.value_embeds:
+            adam_groups.append(dict(params=list(model.value_embeds.parameters()), lr=args.embedding_lr * scale * 0.5))
+        if model.generation.lambdas:  # scalars: fixed lrs, never decayed towards 0
+            adam_groups += [dict(params=[model.resid_lambdas], lr=0.005, weight_decay=0.0),
+                            dict(params=[model.x0_lambdas], lr=0.5, betas=(0.96, 0.95), weight_decay=0.0)]
+        if model.generation.smear_backout:
+            adam_groups.append(dict(params=[model.smear_lambda, model.backout_lambda, model.smear_gate.weight],
+                                    lr=0.2, weight_decay=0.0))
         optimizers = [torch.optim.AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay),
                       Muon(model.transformer.h.parameters(), lr=args.matrix_lr)]
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] *= args.init_lr_frac
+    homed = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    assert sorted(homed) == sorted(id(p) for p in model.parameters()), "a parameter with no optimizer, or two"
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -341,7 +358,7 @@ def reply_text(tokenizer, samples, row):
 # -----------------------------------------------------------------------------
 # Start policy, data order, checkpoints
 
-def load_policy(args):
+def load_policy(args, log=print):
     """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>."""
     if args.init == "scratch":
         tokenizer = Tokenizer.byte_level()
@@ -356,7 +373,8 @@ def load_policy(args):
     else:
         checkpoint_dir = args.init
     try:
-        model, _ = load_checkpoint(checkpoint_dir, args.init_step)
+        model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
+                                   window_pattern=args.window_pattern, log=log)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -389,7 +407,7 @@ def prompt_indices(step, rank, world_size, args, num_examples):
 def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config):
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     # the resume state first, the model after: a step counts as saved once its model file exists
-    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers], "master_weights": master_weights(model),
                  "ref_model": ref_model.state_dict() if ref_model is not None else None},
                 os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
     save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
@@ -548,7 +566,7 @@ def main(argv=None):
             train_task, test_task = Sort("train", args.sort_length, args.seed), Sort("test", args.sort_length, args.seed)
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
-    model, tokenizer, tag = load_policy(args)
+    model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     optimizers = make_optimizers(model, args)
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
@@ -677,7 +695,8 @@ def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(differing)}): pass the original flags")
     step = saved[-1]
     state = torch.load(os.path.join(checkpoint_dir, f"state_{step:06d}.pt"), map_location=device, weights_only=True)
-    model.load_state_dict(load_checkpoint(checkpoint_dir, step)[0].state_dict())
+    model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
+    model.load_state_dict(state.get("master_weights", {}), strict=False)  # what the file's bf16 embeddings rounded away
     for opt, opt_state in zip(optimizers, state["optimizers"]):
         opt.load_state_dict(opt_state)
     if ref_model is not None:
@@ -754,6 +773,7 @@ def compare_runs(run_dirs, plot_path):
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
     fig.savefig(plot_path, dpi=110)
+    plt.close(fig)  # a long-lived process (the tests, a notebook) would otherwise keep every figure
     print(f"plot: {plot_path}")
     return table
 

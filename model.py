@@ -17,7 +17,7 @@ import os
 import pickle
 import re
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import tiktoken
 import torch
@@ -116,7 +116,7 @@ class Tokenizer:
 
 
 # -----------------------------------------------------------------------------
-# The GPT
+# The GPT, in every generation that nanochat has written checkpoints of
 
 @dataclass
 class GPTConfig:
@@ -127,22 +127,65 @@ class GPTConfig:
     n_head: int = 2
     n_kv_head: int = 2
     n_embd: int = 256
+    window_pattern: str = "L"  # S/L per layer, tiled; only generations with windows read it (and write it)
 
 
-def softcap_logits(logits):
-    return 15 * torch.tanh(logits / 15)
+@dataclass(frozen=True)
+class Generation:
+    """How one span of nanochat's history computes its forward pass. Everything not listed here (rotary on the
+    two halves of each head, QK-norm, ReLU^2, untied head, weightless RMSNorm, no biases) is common to all."""
+    written: str  # the dates between which nanochat's master wrote checkpoints like this
+    softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
+    rotary_base: float = 10000.0
+    rotary_bf16: bool = True  # cos/sin tables rounded to bfloat16 even in a float32 forward (until 2026-03-04)
+    short_window: object = None  # sequence_len -> the keys an `S` layer sees back; None: full causal attention
+    lambdas: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0
+    value_embeds: bool = False  # every other layer, ending with the last: v += gate * value_embeds[i](idx)
+    ve_gate_channels: int = 32  # the gate reads this many leading channels of the attention input...
+    ve_gate_scale: float = 2.0  # ...and is scale * sigmoid(.), so 1 (or 1.5) at a zero gate
+    qk_scale: float = 1.0  # q and k multiplied by this after the QK-norm
+    smear_backout: bool = False  # smear the previous token into each embedding; subtract a mid-stack residual
+
+
+_lambdas_windows = Generation("2026-01-11 .. 2026-01-18", short_window=lambda n: n // 2, lambdas=True)
+_value_embeds = replace(_lambdas_windows, written="2026-01-18 .. 2026-03-02", value_embeds=True)
+_ve12_qk115 = replace(_value_embeds, written="2026-03-09 .. 2026-03-14", rotary_bf16=False, rotary_base=100000.0,
+                      short_window=lambda n: math.ceil(n / 3 / 128) * 128, ve_gate_channels=12, ve_gate_scale=3.0,
+                      qk_scale=1.15)
+GENERATIONS = {  # oldest first; the names are those of the test fixtures
+    "classic": Generation("2025-10-13 .. 2025-12-23"),
+    "padded-vocab": Generation("2025-12-23 .. 2026-01-11"),  # classic math; wte and lm_head padded to 64k rows
+    "lambdas-windows": _lambdas_windows,
+    "value-embeds": _value_embeds,
+    "softcap20": replace(_value_embeds, written="2026-03-02 .. 2026-03-09", softcap=20.0, rotary_bf16=False),
+    "ve12-qk115": _ve12_qk115,
+    "smear-backout": replace(_ve12_qk115, written="2026-03-14 .. today", qk_scale=1.2,
+                             short_window=lambda n: math.ceil(n / 4 / 128) * 128, smear_backout=True),
+}
+SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
+
+
+def softcap_logits(logits, cap):
+    return cap * torch.tanh(logits / cap)
 
 
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))  # no learnable weight, as in nanochat
 
 
-def rotary(x, positions):
-    """x: [B, T, H, hd], positions: [B or 1, T]. Rotate the two halves of each head by position-dependent angles."""
-    hd = x.size(-1)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd))
-    angles = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
-    cos, sin = angles.cos()[:, :, None, :].to(x.dtype), angles.sin()[:, :, None, :].to(x.dtype)
+def rotary_tables(positions, head_dim, base, round_to_bf16):
+    """positions [B or 1, T] -> cos, sin [B or 1, T, 1, head_dim / 2], in float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    if round_to_bf16:  # as older nanochat: its tables were bf16 buffers, so their values carry bf16 rounding
+        cos, sin = cos.bfloat16().float(), sin.bfloat16().float()
+    return cos, sin
+
+
+def rotary(x, cos, sin):
+    """x: [B, T, H, hd]. Rotate the two halves of each head by position-dependent angles."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
 
@@ -151,11 +194,13 @@ class KVCache:
     """Keys and values of every layer for a batch of left-padded rows: [n_layer, B, n_kv_head, max_len, hd].
 
     Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
-    so one write position `pos` serves the whole batch."""
+    so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
+    embedding [B, C], which the smear of the next token reads (generations with smear only)."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
         self.k = self.v = None  # allocated on first write, in the dtype the model computes in
+        self.previous = None
         self.pos = 0
 
     def update(self, layer, k, v):
@@ -173,24 +218,34 @@ class KVCache:
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows)."""
         self.pad = self.pad[rows]
         self.k, self.v = self.k[:, rows], self.v[:, rows]
+        if self.previous is not None:
+            self.previous = self.previous[rows]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, generation, has_value_embed):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
+        self.qk_scale, self.ve_gate_scale = generation.qk_scale, generation.ve_gate_scale
         self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        # one gate per KV head, read off the first few channels of this layer's input
+        self.ve_gate = nn.Linear(generation.ve_gate_channels, self.n_kv_head, bias=False) if has_value_embed else None
 
-    def forward(self, x, positions, attn_mask, cache, layer):
+    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = norm(rotary(q, positions)), norm(rotary(k, positions))  # rotary first, then QK-norm
+        if value_embed is not None:  # a token-dependent bias on the values, gated per KV head
+            gate = self.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # [B, T, H_kv]
+            v = v + (gate[..., None] * value_embed.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
+        q, k = norm(rotary(q, *cos_sin)), norm(rotary(k, *cos_sin))  # rotary first, then QK-norm
+        if self.qk_scale != 1.0:  # sharpens attention beyond SDPA's 1/sqrt(hd)
+            q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
@@ -210,40 +265,68 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, generation, has_value_embed):
         super().__init__()
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, generation, has_value_embed)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, attn_mask, cache, layer):
-        x = x + self.attn(norm(x), positions, attn_mask, cache, layer)
+    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer):
+        x = x + self.attn(norm(x), value_embed, cos_sin, attn_mask, cache, layer)
         return x + self.mlp(norm(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, config, padded_vocab_size=None):
+    def __init__(self, config, generation="padded-vocab", padded_vocab_size=None):
         super().__init__()
         if config.n_embd % config.n_head or config.n_head % config.n_kv_head or (config.n_embd // config.n_head) % 2:
             raise ValueError(f"inconsistent model config {config}: n_head must divide n_embd into an even head_dim, "
                              "and n_kv_head must divide n_head")
-        self.config = config
+        self.config, self.generation_name = config, generation
+        gen = self.generation = GENERATIONS[generation]
         # The embedding and head may have more rows than the vocabulary (nanochat pads them to a multiple of 64
-        # for speed); the extra logits are dropped.
-        V = padded_vocab_size or (config.vocab_size + 63) // 64 * 64
+        # for speed since 2025-12-23); the extra logits are dropped.
+        V = padded_vocab_size or (config.vocab_size if generation == "classic" else (config.vocab_size + 63) // 64 * 64)
+        L, kv_dim = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
+        # Per-layer attention reach: `L` layers see sequence_len keys back, `S` layers fewer; the last layer is always L.
+        if gen.short_window:
+            if not config.window_pattern or set(config.window_pattern) - set("SL"):
+                raise ValueError(f"window_pattern {config.window_pattern!r} must be a string of S and L")
+            long_short = {"L": config.sequence_len, "S": gen.short_window(config.sequence_len)}
+            self.windows = [long_short[config.window_pattern[i % len(config.window_pattern)]] for i in range(L - 1)]
+            self.windows.append(config.sequence_len)
+        else:
+            self.windows = [None] * L  # full causal attention
+        value_embed_layers = [i for i in range(L) if gen.value_embeds and i % 2 == (L - 1) % 2]
+        # Parameters in nanochat's order, so that a saved state dict lists its keys as nanochat's does.
+        if gen.lambdas:
+            self.resid_lambdas = nn.Parameter(torch.ones(L))
+            self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        if gen.smear_backout:
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(V, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, gen, i in value_embed_layers) for i in range(L)]),
         ))
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        if gen.smear_backout:
+            self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in value_embed_layers})
+        self.disk_dtypes = {}  # state-dict key -> dtype on disk, where not float32 (filled by the loader)
 
     @torch.no_grad()
     def init_weights(self, seed=0):
-        """A fresh model (the `scratch` start): small random weights, zero output projections as in nanochat."""
+        """A fresh model (the `scratch` start): small random weights, zero output projections as in nanochat;
+        the per-layer scalars start where they change nothing (resid 1, x0 / smear / backout 0)."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 p.zero_()
-            elif "wte" in name:
+            elif name == "resid_lambdas":
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            elif "wte" in name or "value_embeds" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif "lm_head" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.001)
@@ -252,31 +335,62 @@ class GPT(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * min(1.0, math.sqrt(p.size(0) / fan_in)) / math.sqrt(fan_in))
         return self
 
-    def hidden(self, idx, cache=None):
-        """idx: [B, T] token ids -> final normalised hidden states [B, T, C]."""
-        B, T = idx.shape
+    def attention_masks(self, T, cache, device):
+        """-> positions [B or 1, T] and one boolean mask per layer ([B or 1, 1, T, S], True = may attend), or
+        None for a layer where plain causal attention is exact (SDPA's fast path)."""
         if cache is None:  # a plain causal forward from position 0
-            positions = torch.arange(T, device=idx.device)[None]
-            attn_mask = None
+            positions = query = key = torch.arange(T, device=device)
+            positions = positions[None]
+            allowed = key[None, :] <= query[:, None]  # [T, S]
         else:  # continue left-padded rows from the cache's position
-            query = cache.pos + torch.arange(T, device=idx.device)  # [T] column of each new token
-            key = torch.arange(cache.pos + T, device=idx.device)  # [S]
+            query = cache.pos + torch.arange(T, device=device)  # [T] column of each new token
+            key = torch.arange(cache.pos + T, device=device)  # [S]
             positions = (query[None] - cache.pad[:, None]).clamp(min=0)  # [B, T]: padding does not move positions
             real = key[None, None, :] >= cache.pad[:, None, None]  # [B, 1, S]
             # A padding query may see itself, so no softmax row is empty (an all -inf row would give NaN).
-            attn_mask = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
-            attn_mask = attn_mask[:, None]  # [B, 1, T, S]
+            allowed = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
+        masks = {}
+        for window in set(self.windows):
+            if cache is None and (window is None or window >= T - 1):
+                masks[window] = None
+            else:  # query q sees keys q - window .. q: window + 1 of them (columns differ as positions do)
+                mask = allowed if window is None else allowed & (key[None, :] >= query[:, None] - window)
+                masks[window] = mask.unsqueeze(-3)  # a dim for the heads
+        return positions, [masks[window] for window in self.windows]
+
+    def hidden(self, idx, cache=None):
+        """idx: [B, T] token ids -> final normalised hidden states [B, T, C]."""
+        B, T = idx.shape
+        gen = self.generation
+        positions, masks = self.attention_masks(T, cache, idx.device)
+        cos_sin = rotary_tables(positions, self.config.n_embd // self.config.n_head, gen.rotary_base, gen.rotary_bf16)
         x = norm(self.transformer.wte(idx))
+        if gen.smear_backout:  # x[t] += smear_lambda * sigmoid(gate(x[t])) * x[t-1], from each row's position 1 on
+            previous = x[:, :-1] if cache is None or cache.previous is None else torch.cat([cache.previous[:, None], x[:, :-1]], 1)
+            previous = F.pad(previous, (0, 0, T - previous.size(1), 0))  # [B, T, C]: zeros where no token came before
+            if cache is not None:
+                cache.previous = x[:, -1]
+            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
+            x = x + gate * previous * (positions >= 1)[..., None]
+        x0 = x
+        kept = None
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, positions, attn_mask, cache, layer)
+            if gen.lambdas:
+                x = self.resid_lambdas[layer] * x + self.x0_lambdas[layer] * x0
+            value_embed = self.value_embeds[str(layer)](idx) if str(layer) in self.value_embeds else None
+            x = block(x, value_embed, cos_sin, masks[layer], cache, layer)
+            if gen.smear_backout and layer == self.config.n_layer // 2:
+                kept = x
+        if kept is not None:  # backout: take part of the mid-stack residual back out before the head
+            x = x - self.backout_lambda * kept
         if cache is not None:
             cache.pos += T
         return norm(x)
 
     def logits(self, x, softcap=True):
-        """Hidden states [..., C] -> float32 logits [..., vocab_size], softcapped at 15."""
+        """Hidden states [..., C] -> float32 logits [..., vocab_size], softcapped."""
         logits = self.lm_head(x)[..., :self.config.vocab_size].float()
-        return softcap_logits(logits) if softcap else logits
+        return softcap_logits(logits, self.generation.softcap) if softcap else logits
 
     def forward(self, idx, cache=None, softcap=True):
         return self.logits(self.hidden(idx, cache), softcap)
@@ -330,8 +444,9 @@ def checkpoint_steps(checkpoint_dir):
                   if (m := re.fullmatch(r"model_(\d+)\.pt", os.path.basename(f))))
 
 
-def load_checkpoint(checkpoint_dir, step=None, device="cpu"):
-    """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict)."""
+def load_checkpoint(checkpoint_dir, step=None, device="cpu", generation=None, window_pattern=None, log=print):
+    """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
+    generation / window_pattern override what the files say or what would be assumed (see model_from_state)."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"no model_<step>.pt files in {os.path.abspath(checkpoint_dir)}")
@@ -341,27 +456,70 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu"):
     with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
         meta = json.load(f)
     state = torch.load(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"), map_location=device, weights_only=True)
-    return model_from_state(meta["model_config"], state), meta
+    # Our own checkpoints name their generation, which settles what the files alone cannot.
+    model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
+                             window_pattern, log)
+    return model, meta
 
 
-def model_from_state(model_config, state):
-    """Build a GPT from a nanochat config dict and state dict, refusing anything this GPT does not implement."""
+def detect_generation(model_config, state):
+    """-> (generation name, what was assumed or None), from the checkpoint's keys, shapes and config fields."""
+    if any(k.startswith(("bigram_embed.", "bigram_lambdas")) for k in state):
+        raise ValueError("this is a nanochat 'engram' checkpoint (bigram embeddings, on nanochat's master for one "
+                         "day, 2026-01-27/28), which nanogrpo does not support: continue training it in nanochat of "
+                         "a later commit, or start from a checkpoint of another generation")
+    gate = next((v for k, v in state.items() if k.endswith("attn.ve_gate.weight")), None)
+    if "smear_gate.weight" in state:
+        return "smear-backout", None
+    if gate is not None and gate.size(1) == GENERATIONS["ve12-qk115"].ve_gate_channels:
+        return "ve12-qk115", None
+    if gate is not None:  # value-embeds and softcap20 wrote identical files; the longer-lived one is assumed
+        return "value-embeds", ("assumed nanochat generation value-embeds (written 2026-01-18 .. 03-02, softcap 15): "
+                                "a checkpoint written 2026-03-02 .. 03-09 has the same files but softcap 20; for one, "
+                                "pass --generation softcap20 (load_checkpoint(..., generation='softcap20'))")
+    if "resid_lambdas" in state or "window_pattern" in model_config:
+        return "lambdas-windows", None
+    wte = state.get("transformer.wte.weight")
+    return ("classic" if wte is not None and wte.size(0) == model_config.get("vocab_size") else "padded-vocab"), None
+
+
+def model_from_state(model_config, state, generation=None, window_pattern=None, log=print):
+    """Build a GPT from a nanochat config dict and state dict, refusing anything this GPT does not implement.
+    Where the files leave a choice open, nanochat's own choice is made and one line says so (via `log`)."""
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
+    detected, assumption = detect_generation(model_config, state)
+    if generation is not None and generation not in GENERATIONS:
+        raise ValueError(f"unknown nanochat generation {generation!r}; known: {', '.join(GENERATIONS)}")
+    name = generation or detected
+    gen = GENERATIONS[name]
+    if assumption and generation is None:
+        log(f"note: {assumption}")
     known = {f.name for f in fields(GPTConfig)}
     extra_config = sorted(set(model_config) - known)
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
-    config = GPTConfig(**{k: v for k, v in model_config.items() if k in known})
-    model = GPT(config, padded_vocab_size=state["transformer.wte.weight"].size(0) if "transformer.wte.weight" in state else None)
+    if extra_config:
+        raise ValueError(f"this checkpoint's config has fields nanogrpo does not know: {extra_config} (a nanochat GPT "
+                         "newer than the generations nanogrpo supports?)")
+    config = GPTConfig(**model_config)
+    if window_pattern:
+        config.window_pattern = window_pattern
+    elif gen.short_window and "window_pattern" not in model_config:
+        log("note: the checkpoint's config has no window_pattern: assumed 'L' (full attention in every layer), as "
+            "nanochat does; pass --window-pattern (load_checkpoint(..., window_pattern=...)) if its run used windows")
+    if gen.lambdas and "resid_lambdas" not in state and "x0_lambdas" not in state:
+        log("note: the checkpoint has no resid_lambdas / x0_lambdas: filled with 1 / 0 (no change), as nanochat does")
+        state = dict(state, resid_lambdas=torch.ones(config.n_layer), x0_lambdas=torch.zeros(config.n_layer))
+    wte = state.get("transformer.wte.weight")
+    model = GPT(config, name, padded_vocab_size=wte.size(0) if wte is not None else None)
     expected = model.state_dict()
     extra_keys = sorted(set(state) - set(expected))
-    if extra_config or extra_keys:
-        raise ValueError("this checkpoint comes from a newer nanochat GPT that nanogrpo does not support yet: "
-                         f"unsupported config fields {extra_config}, unsupported parameters {extra_keys[:8]}"
-                         f"{' ...' if len(extra_keys) > 8 else ''}")
     missing = sorted(set(expected) - set(state))
-    wrong = [f"{k}: {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    if missing or wrong:
-        raise ValueError(f"checkpoint does not match its config {config}: missing {missing[:8]}, wrong shapes {wrong[:8]}")
+    wrong = [f"{k}: {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+             if k in state and state[k].shape != v.shape]
+    if extra_keys or missing or wrong:
+        raise ValueError(f"checkpoint does not match a nanochat {name} GPT of config {config}: unexpected parameters "
+                         f"{extra_keys[:8]}, missing {missing[:8]}, wrong shapes {wrong[:8]}")
     model.load_state_dict({k: v.float() for k, v in state.items()})  # bf16 on disk -> float32 master weights
+    model.disk_dtypes = {k: v.dtype for k, v in state.items() if v.dtype != torch.float32}
     return model
 
 
@@ -382,10 +540,21 @@ def atomic_save(obj, path):
 
 
 def save_checkpoint(checkpoint_dir, step, model, meta=None):
-    """model_<step>.pt and meta_<step>.json, loadable here and by nanochat's own chat tools."""
-    atomic_save(model.state_dict(), os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
-    atomic_save(dict(meta or {}, step=step, model_config=asdict(model.config)),
+    """model_<step>.pt and meta_<step>.json in the generation and on-disk dtypes the model was loaded with, so
+    that nanochat's code of that generation loads them. The embedding tables of a loaded nanochat checkpoint are
+    bf16 on disk: those are rounded here, and master_weights() keeps what rounding loses."""
+    atomic_save({k: v.detach().to("cpu", model.disk_dtypes.get(k, v.dtype)) for k, v in model.state_dict().items()},
+                os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+    model_config = asdict(model.config)
+    if not model.generation.short_window:  # a field that nanochat's GPT of this generation does not have
+        del model_config["window_pattern"]
+    atomic_save(dict(meta or {}, step=step, model_config=model_config, nanogrpo_generation=model.generation_name),
                 os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
+
+
+def master_weights(model):
+    """The float32 values of the tensors that save_checkpoint rounds: what an exact resume needs besides the file."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in model.disk_dtypes}
 
 
 # -----------------------------------------------------------------------------
@@ -436,7 +605,7 @@ def calculator(expr):
 # -----------------------------------------------------------------------------
 # The sampler
 
-def sample_tokens(raw_logits, temperature, top_k, uniform):
+def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
     """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N].
     temperature 0 is greedy.
 
@@ -449,7 +618,7 @@ def sample_tokens(raw_logits, temperature, top_k, uniform):
         values, indices = torch.topk(raw_logits, min(top_k, raw_logits.size(-1)), dim=-1)  # [N, k]
     else:
         values, indices = raw_logits, None
-    cdf = F.softmax(softcap_logits(values) / temperature, dim=-1).cumsum(dim=-1)
+    cdf = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1).cumsum(dim=-1)
     choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
     return (choice if indices is None else indices.gather(1, choice)).squeeze(1)
 
@@ -484,7 +653,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
     shared = torch.arange(P, device=device).repeat_interleave(G)
     cache.select(shared)
-    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0])  # [N]
+    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0], model.generation.softcap)  # [N]
 
     tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
@@ -528,5 +697,5 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
         logits = model(token[:, None], cache, softcap=False)[:, -1]
-        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1])
+        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1], model.generation.softcap)
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated).items()}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, GPTConfig, KVCache, Tokenizer, calculator, find_checkpoint, generate, load_checkpoint,
+from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, calculator, find_checkpoint, generate, load_checkpoint,
                    save_checkpoint)
 
 TOK = Tokenizer.byte_level()
@@ -116,17 +116,6 @@ def test_compiled_bf16_padded_checkpoint_loads_like_the_clean_one(tmp_path):
     assert loaded(idx).shape[-1] == 300
 
 
-def test_unsupported_checkpoint_names_its_keys(tmp_path):
-    model = tiny_model()
-    state = dict(model.state_dict(), **{"value_embeds.0.weight": torch.zeros(3, 3), "resid_lambdas": torch.ones(2)})
-    os.makedirs(tmp_path / "d2")
-    torch.save(state, tmp_path / "d2" / "model_000001.pt")
-    (tmp_path / "d2" / "meta_000001.json").write_text(
-        json.dumps({"model_config": dict(vars(model.config), window_pattern="SSSL")}))
-    with pytest.raises(ValueError, match=r"window_pattern.*resid_lambdas.*value_embeds"):
-        load_checkpoint(str(tmp_path / "d2"))
-
-
 def test_missing_checkpoint_errors_name_where_they_looked(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "chatsft_checkpoints")):
         find_checkpoint(str(tmp_path))
@@ -168,6 +157,7 @@ class ScriptedModel(torch.nn.Module):
     def __init__(self, transitions, vocab_size=TOK.vocab_size):
         super().__init__()
         self.config = GPTConfig(n_layer=1, vocab_size=vocab_size)
+        self.generation = GENERATIONS["classic"]
         self.lm_head = torch.nn.Linear(1, 1)
         self.table = torch.arange(vocab_size)  # by default a token repeats itself
         for a, b in transitions.items():

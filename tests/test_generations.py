@@ -1,0 +1,342 @@
+"""Every nanochat GPT generation: against nanochat's own numbers (the fixtures in ../shared, skipped without them),
+and the same properties on models made here (always run)."""
+import json
+import os
+import pickle
+from argparse import Namespace
+
+import pytest
+import torch
+
+import grpo
+from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, generate, load_checkpoint, master_weights,
+                   save_checkpoint)
+from tasks.sort import Sort
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures", "nanochat")
+TOK = Tokenizer.byte_level()
+WINDOWED = [name for name, gen in GENERATIONS.items() if gen.short_window]
+EMBEDDINGS = ("transformer.wte.weight", "value_embeds.")
+
+
+def random_model(generation, n_layer=4, sequence_len=64, window_pattern="SL", seed=0, scale=0.3):
+    """A model of this generation with large random weights (peaked, input-dependent outputs), vocabulary
+    padded as that generation pads it."""
+    torch.manual_seed(seed)
+    config = GPTConfig(sequence_len=sequence_len, vocab_size=TOK.vocab_size, n_layer=n_layer, n_head=4, n_kv_head=2,
+                       n_embd=64, window_pattern=window_pattern)
+    model = GPT(config, generation)
+    for p in model.parameters():
+        p.data.normal_(0, scale)
+    return model.eval()
+
+
+def random_tokens(*lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def naive_greedy(model, prompt, max_new_tokens):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(model(torch.tensor([ids]))[0, -1].argmax().item())
+    return ids[len(prompt):]
+
+
+def one_step_of_training(model, optimizer):
+    """One optimizer step of nanochat's scheme (or plain AdamW) on a fixed sequence -> names of params that moved."""
+    args = Namespace(optimizer=optimizer, lr=1e-3, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
+                     init_lr_frac=1.0, weight_decay=0.0)
+    optimizers = grpo.make_optimizers(model, args)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    ids = torch.tensor(random_tokens(150))
+    model.train()
+    (-model.token_logprobs(ids[:, :-1], ids[:, 1:]).mean()).backward()
+    for opt in optimizers:
+        opt.step()
+    return optimizers, [k for k, v in model.named_parameters() if not torch.equal(v, before[k])], list(before)
+
+
+# ---------------------------------------------------------------------------- models made here, every generation
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_cached_decoding_matches_full_forward(generation):
+    # prompts longer than every window (S = 32 or 128, L = 64 here), left-padded to different lengths
+    model = random_model(generation)
+    prompts = random_tokens(90, 131, 140)
+    continuation = torch.tensor(random_tokens(8, 8, 8, seed=2))
+    longest = max(map(len, prompts))
+    cache = KVCache(model.config.n_layer, torch.tensor([longest - len(p) for p in prompts]), longest + 8)
+    with torch.no_grad():
+        padded = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        steps = [model(padded, cache)[:, -1]] + [model(continuation[:, i:i + 1], cache)[:, -1] for i in range(8)]
+        for b, p in enumerate(prompts):
+            full = model(torch.cat([torch.tensor(p), continuation[b]])[None])[0, len(p) - 1:]
+            torch.testing.assert_close(torch.stack([s[b] for s in steps]), full, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_batched_greedy_equals_one_at_a_time_and_no_cache(generation):
+    model = random_model(generation)
+    prompts = random_tokens(5, 70, 133)  # the first rows are left-padded: smear must not reach into padding
+    batched = generate(model, TOK, prompts, num_samples=2, max_new_tokens=10, temperature=0, use_calculator=False)
+    for i, p in enumerate(prompts):
+        reference = naive_greedy(model, p, 10)
+        single = generate(model, TOK, [p], num_samples=1, max_new_tokens=10, temperature=0, use_calculator=False)
+        n = single["lengths"][0].item()
+        assert single["tokens"][0, :n].tolist() == reference[:n]
+        for row in (2 * i, 2 * i + 1):
+            assert batched["tokens"][row, :n].tolist() == reference[:n]
+
+
+@pytest.mark.parametrize("generation", WINDOWED)
+def test_attention_reaches_exactly_its_window(generation):
+    # two layers, S then L: the last position sees S + L tokens back (one more through the smear), and no further
+    model = random_model(generation, n_layer=2, sequence_len=16, window_pattern="S")
+    short = GENERATIONS[generation].short_window(16)
+    reach = short + 16 + (1 if GENERATIONS[generation].smear_backout else 0)
+    ids = torch.tensor(random_tokens(reach + 3))
+    T = ids.size(1)
+    with torch.no_grad():
+        base = model(ids)[0, -1]
+        for position, should_change in ((T - 1 - reach, True), (T - 2 - reach, False), (0, False)):
+            changed = ids.clone()
+            changed[0, position] = (changed[0, position] + 1) % 256
+            difference = (model(changed)[0, -1] - base).abs().max().item()
+            assert (difference > 1e-4) == should_change, (position, difference)
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_save_load_round_trip_keeps_generation_dtypes_and_config(generation, tmp_path):
+    model = random_model(generation)
+    # as a nanochat checkpoint: embedding tables bf16 on disk, so the float32 weights hold bf16 values
+    model.disk_dtypes = {k: torch.bfloat16 for k in model.state_dict() if k.startswith(EMBEDDINGS)}
+    for k, p in model.named_parameters():
+        if k in model.disk_dtypes:
+            p.data = p.data.bfloat16().float()
+    save_checkpoint(str(tmp_path / "d4"), 3, model)
+    on_disk = torch.load(tmp_path / "d4" / "model_000003.pt", weights_only=True)
+    assert list(on_disk) == list(model.state_dict())
+    assert {k for k, v in on_disk.items() if v.dtype == torch.bfloat16} == set(model.disk_dtypes)
+    meta = json.load(open(tmp_path / "d4" / "meta_000003.json"))
+    assert ("window_pattern" in meta["model_config"]) == (generation in WINDOWED)
+    loaded, _ = load_checkpoint(str(tmp_path / "d4"))
+    assert loaded.generation_name == generation
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    # without our record of the generation, the files alone say it (value-embeds and softcap20 look the same)
+    del meta["nanogrpo_generation"]
+    (tmp_path / "d4" / "meta_000003.json").write_text(json.dumps(meta))
+    notes = []
+    detected = load_checkpoint(str(tmp_path / "d4"), log=notes.append)[0].generation_name
+    assert detected == ("value-embeds" if generation == "softcap20" else generation)
+    assert bool(notes) == (generation in ("value-embeds", "softcap20"))
+    assert load_checkpoint(str(tmp_path / "d4"), generation=generation, log=notes.append)[0].generation_name == generation
+
+
+def test_master_weights_keep_what_bf16_files_round_away(tmp_path):
+    model = random_model("smear-backout")
+    model.disk_dtypes = {k: torch.bfloat16 for k in model.state_dict() if k.startswith(EMBEDDINGS)}
+    save_checkpoint(str(tmp_path / "d4"), 1, model)
+    loaded, _ = load_checkpoint(str(tmp_path / "d4"))
+    wte = "transformer.wte.weight"
+    assert not torch.equal(loaded.state_dict()[wte], model.state_dict()[wte])  # rounded on disk
+    loaded.load_state_dict(master_weights(model), strict=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_one_training_step_moves_every_parameter(generation):
+    for optimizer in ("muon", "adamw"):
+        model = random_model(generation)
+        optimizers, moved, names = one_step_of_training(model, optimizer)
+        assert moved == names, set(names) - set(moved)
+    adamw, muon = optimizers = grpo.make_optimizers(model, Namespace(
+        optimizer="muon", matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, init_lr_frac=0.5, weight_decay=0.0))
+    scale = (64 / 768) ** -0.5
+    lrs = {id(p): (g["lr"], *g["betas"]) for g in adamw.param_groups for p in g["params"]}
+    gen = GENERATIONS[generation]
+    assert lrs[id(model.lm_head.weight)] == pytest.approx((0.004 * scale * 0.5, 0.8, 0.95))
+    assert lrs[id(model.transformer.wte.weight)] == pytest.approx((0.2 * scale * 0.5, 0.8, 0.95))
+    if gen.value_embeds:
+        assert lrs[id(model.value_embeds["3"].weight)] == pytest.approx((0.2 * scale * 0.5 * 0.5, 0.8, 0.95))
+        assert any(p is model.transformer.h[3].attn.ve_gate.weight for p in muon.param_groups[0]["params"])
+    if gen.lambdas:
+        assert lrs[id(model.resid_lambdas)] == pytest.approx((0.005 * 0.5, 0.8, 0.95))
+        assert lrs[id(model.x0_lambdas)] == pytest.approx((0.5 * 0.5, 0.96, 0.95))
+    if gen.smear_backout:
+        for p in (model.smear_lambda, model.backout_lambda, model.smear_gate.weight):
+            assert lrs[id(p)] == pytest.approx((0.2 * 0.5, 0.8, 0.95))
+
+
+def save_raw(path, state, model_config):
+    os.makedirs(path, exist_ok=True)
+    torch.save(state, os.path.join(path, "model_000001.pt"))
+    with open(os.path.join(path, "meta_000001.json"), "w") as f:
+        json.dump({"model_config": model_config}, f)
+
+
+def test_files_nanogrpo_cannot_run_are_refused_by_name(tmp_path):
+    model = random_model("value-embeds")
+    config = dict(vars(model.config))
+    save_raw(tmp_path / "engram", dict(model.state_dict(), **{"bigram_embed.embed.weight": torch.zeros(5, 64)}), config)
+    with pytest.raises(ValueError, match="engram"):
+        load_checkpoint(str(tmp_path / "engram"))
+    save_raw(tmp_path / "future", dict(model.state_dict(), **{"future_gate.weight": torch.zeros(1, 8)}), config)
+    with pytest.raises(ValueError, match="future_gate.weight"):
+        load_checkpoint(str(tmp_path / "future"), log=lambda line: None)
+    save_raw(tmp_path / "field", model.state_dict(), dict(config, mtp_depth=2))
+    with pytest.raises(ValueError, match="mtp_depth"):
+        load_checkpoint(str(tmp_path / "field"), log=lambda line: None)
+    save_raw(tmp_path / "clean", model.state_dict(), config)
+    with pytest.raises(ValueError, match="classic GPT.*ve_gate"):  # a generation the files cannot be
+        load_checkpoint(str(tmp_path / "clean"), generation="classic")
+    with pytest.raises(ValueError, match="unknown nanochat generation"):
+        load_checkpoint(str(tmp_path / "clean"), generation="tomorrow")
+
+
+def test_missing_window_pattern_and_lambdas_are_filled_as_nanochat_fills_them(tmp_path):
+    model = random_model("lambdas-windows", window_pattern="L")
+    with torch.no_grad():
+        model.resid_lambdas.fill_(1.0)
+        model.x0_lambdas.zero_()
+    config = {k: v for k, v in vars(model.config).items() if k != "window_pattern"}
+    save_raw(tmp_path / "d4", model.state_dict(), config)  # the lambdas say lambdas-windows; no window_pattern
+    notes = []
+    loaded, _ = load_checkpoint(str(tmp_path / "d4"), log=notes.append)
+    assert loaded.config.window_pattern == "L" and len(notes) == 1 and "window_pattern" in notes[0]
+    assert loaded.windows == [64] * 4
+    assert load_checkpoint(str(tmp_path / "d4"), window_pattern="SSL", log=notes.append)[0].windows == [32, 32, 64, 64]
+    without_lambdas = {k: v for k, v in model.state_dict().items() if not k.endswith("lambdas")}
+    save_raw(tmp_path / "nolambdas", without_lambdas, dict(config, window_pattern="L"))
+    notes.clear()
+    loaded, _ = load_checkpoint(str(tmp_path / "nolambdas"), log=notes.append)
+    assert len(notes) == 1 and "lambdas" in notes[0]
+    ids = torch.tensor(random_tokens(80))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+
+
+def nanochat_dir(tmp_path, generation):
+    """A checkpoint of this generation in nanochat's layout (bf16 embeddings), with a byte-level tokenizer."""
+    model = random_model(generation, scale=0.1)
+    model.disk_dtypes = {k: torch.bfloat16 for k in model.state_dict() if k.startswith(EMBEDDINGS)}
+    base = tmp_path / f"base-{generation}"
+    save_checkpoint(str(base / "chatsft_checkpoints" / "d4"), 5, model)
+    os.makedirs(base / "tokenizer")
+    with open(base / "tokenizer" / "tokenizer.pkl", "wb") as f:
+        pickle.dump(TOK.enc, f)
+    return str(base / "chatsft_checkpoints" / "d4")
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_resume_is_exact_for_every_generation(generation, tmp_path, monkeypatch):
+    init = nanochat_dir(tmp_path, generation)
+    # A random model never writes a sorted answer: a reward that differs between replies gives the update a signal.
+    monkeypatch.setattr(Sort, "reward", lambda self, conversation, reply: sum(reply.encode()) % 7 / 6)
+    flags = ["--demo", "--init", init, "--algo", "grpo", "--runs-dir", str(tmp_path), "--eval-every", "0",
+             "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "2", "--save-every", "1"]
+    grpo.main(flags + ["--run-name", "straight"])
+    save = grpo.save_training_state
+
+    def save_then_crash(*a, **k):
+        save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "save_training_state", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.main(flags + ["--run-name", "resumed"])
+    monkeypatch.setattr(grpo, "save_training_state", save)
+    grpo.main(flags + ["--run-name", "resumed", "--resume"])
+    files = {}
+    for name in ("straight", "resumed"):
+        out = os.path.join(tmp_path, name, "chatrl_checkpoints", "d4")
+        files[name] = torch.load(os.path.join(out, "model_000002.pt"), weights_only=True)
+        assert load_checkpoint(out)[0].generation_name == generation
+    source = torch.load(os.path.join(init, "model_000005.pt"), weights_only=True)
+    assert {k: v.dtype for k, v in files["straight"].items()} == {k: v.dtype for k, v in source.items()}
+    assert all(not torch.equal(v, source[k]) for k, v in files["straight"].items() if v.dim() == 2), "a matrix did not train"
+    for k, v in files["straight"].items():
+        assert torch.equal(v, files["resumed"][k]), k
+
+
+# ---------------------------------------------------------------------------- nanochat's own checkpoints and numbers
+
+def fixture(name):
+    folder = os.path.join(FIXTURES, name)
+    if not os.path.isfile(os.path.join(folder, "reference.pt")):
+        pytest.skip(f"nanochat fixture {name} not found under ../shared/fixtures/nanochat")
+    return (os.path.join(folder, "base", "chatsft_checkpoints", "d4"), torch.load(os.path.join(folder, "reference.pt")),
+            Tokenizer.from_file(os.path.join(folder, "base", "tokenizer", "tokenizer.pkl")))
+
+
+def load_fixture(name, checkpoint_dir):
+    # softcap20's files are value-embeds' files: only the override tells them apart
+    notes = []
+    model, meta = load_checkpoint(checkpoint_dir, generation="softcap20" if name == "softcap20" else None, log=notes.append)
+    assert model.generation_name == name and bool(notes) == (name == "value-embeds")
+    return model.eval(), meta
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+def test_fixture_matches_nanochat_logits_logprobs_and_greedy(name):
+    checkpoint_dir, reference, tokenizer = fixture(name)
+    model, _ = load_fixture(name, checkpoint_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([reference["prompt_logits"]]))[0]
+        ids = torch.tensor([reference["prompt_logprob"] + reference["continuation"]])
+        logprobs = model.token_logprobs(ids[:, :-1], ids[:, 1:])[0, len(reference["prompt_logprob"]) - 1:]
+    torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-4)
+    torch.testing.assert_close(logprobs, reference["logprobs"], rtol=0, atol=1e-4)
+    greedy = generate(model, tokenizer, [reference["prompt_greedy"]], 1, 40, temperature=0)
+    assert greedy["tokens"][0].tolist() == reference["greedy_nocache"]
+    # prompts of different lengths in one batch give what each gives alone
+    prompts = [reference["prompt_greedy"], reference["prompt_logits"][:170], reference["prompt_logprob"]]
+    batched = generate(model, tokenizer, prompts, 2, 20, temperature=0)
+    for i, prompt in enumerate(prompts):
+        single = generate(model, tokenizer, [prompt], 1, 20, temperature=0)["tokens"][0]
+        assert batched["tokens"][2 * i].tolist() == batched["tokens"][2 * i + 1].tolist() == single.tolist()
+    assert batched["tokens"][0].tolist() == reference["greedy_nocache"][:20]
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+def test_fixture_saves_back_in_its_own_format_and_trains(name, tmp_path):
+    checkpoint_dir, _, _ = fixture(name)
+    model, meta = load_fixture(name, checkpoint_dir)
+    save_checkpoint(str(tmp_path / "d4"), 650, model, {k: v for k, v in meta.items() if k != "model_config"})
+    original = torch.load(os.path.join(checkpoint_dir, "model_000650.pt"), weights_only=True)
+    saved = torch.load(tmp_path / "d4" / "model_000650.pt", weights_only=True)
+    assert list(saved) == list(original)
+    for k, v in original.items():
+        assert saved[k].dtype == v.dtype and torch.equal(saved[k], v), k
+    saved_meta = json.load(open(tmp_path / "d4" / "meta_000650.json"))
+    assert saved_meta["model_config"] == meta["model_config"]
+    assert load_checkpoint(str(tmp_path / "d4"))[0].generation_name == name
+    for optimizer in ("muon", "adamw"):
+        model, _ = load_fixture(name, checkpoint_dir)
+        _, moved, names = one_step_of_training(model, optimizer)
+        assert moved == names, set(names) - set(moved)
+
+
+def test_engram_fixture_is_refused_by_name():
+    checkpoint_dir, _, _ = fixture("engram")
+    with pytest.raises(ValueError, match="engram"):
+        load_checkpoint(checkpoint_dir)
+
+
+def test_grpo_trains_the_newest_fixture_on_gsm8k_and_writes_it_back(tmp_path, gsm8k_dir):
+    checkpoint_dir, _, _ = fixture("smear-backout")
+    grpo.main(["--init", checkpoint_dir, "--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--device", "cpu",
+               "--runs-dir", str(tmp_path), "--run-name", "rl", "--num-steps", "2", "--prompts-per-step", "2",
+               "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "0", "--algo", "grpo"])
+    out = tmp_path / "rl" / "chatrl_checkpoints" / "d4"
+    original = torch.load(os.path.join(checkpoint_dir, "model_000650.pt"), weights_only=True)
+    saved = torch.load(out / "model_000002.pt", weights_only=True)
+    assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
+    # (a random model scores 0 on GSM8K, so every group is all-equal and the weights rightly stay: no signal)
+    meta = json.load(open(out / "meta_000002.json"))
+    assert meta["model_config"] == json.load(open(os.path.join(checkpoint_dir, "meta_000650.json")))["model_config"]
+    assert load_checkpoint(str(out))[0].generation_name == "smear-backout"
