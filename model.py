@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 
 import tiktoken
@@ -138,7 +139,7 @@ class Generation:
     softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
     rotary_base: float = 10000.0
     rotary_bf16: bool = True  # cos/sin tables rounded to bfloat16 even in a float32 forward (until 2026-03-04)
-    short_window: object = None  # sequence_len -> the keys an `S` layer sees back; None: full causal attention
+    short_window: Callable[[int], int] | None = None  # sequence_len -> the keys an `S` layer sees back; None: full causal attention
     lambdas: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0
     value_embeds: bool = False  # every other layer, ending with the last: v += gate * value_embeds[i](idx)
     ve_gate_channels: int = 32  # the gate reads this many leading channels of the attention input...
@@ -277,6 +278,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, config, generation="padded-vocab", padded_vocab_size=None):
+        """generation: a key of GENERATIONS. The default, nanochat's classic math with a padded vocabulary, is
+        what models from scratch use: the simplest GPT that nanochat loads."""
         super().__init__()
         if config.n_embd % config.n_head or config.n_head % config.n_kv_head or (config.n_embd // config.n_head) % 2:
             raise ValueError(f"inconsistent model config {config}: n_head must divide n_embd into an even head_dim, "
@@ -339,8 +342,8 @@ class GPT(nn.Module):
         """-> positions [B or 1, T] and one boolean mask per layer ([B or 1, 1, T, S], True = may attend), or
         None for a layer where plain causal attention is exact (SDPA's fast path)."""
         if cache is None:  # a plain causal forward from position 0
-            positions = query = key = torch.arange(T, device=device)
-            positions = positions[None]
+            query = key = torch.arange(T, device=device)
+            positions = query[None]
             allowed = key[None, :] <= query[:, None]  # [T, S]
         else:  # continue left-padded rows from the cache's position
             query = cache.pos + torch.arange(T, device=device)  # [T] column of each new token
@@ -349,13 +352,13 @@ class GPT(nn.Module):
             real = key[None, None, :] >= cache.pad[:, None, None]  # [B, 1, S]
             # A padding query may see itself, so no softmax row is empty (an all -inf row would give NaN).
             allowed = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
+        last = T - 1 + (cache.pos if cache is not None else 0)  # the last query's column, a Python int: no sync
         masks = {}
         for window in set(self.windows):
-            if cache is None and (window is None or window >= T - 1):
-                masks[window] = None
-            else:  # query q sees keys q - window .. q: window + 1 of them (columns differ as positions do)
-                mask = allowed if window is None else allowed & (key[None, :] >= query[:, None] - window)
-                masks[window] = mask.unsqueeze(-3)  # a dim for the heads
+            if window is not None and window < last:  # query q sees keys q - window .. q: window + 1 of them
+                masks[window] = (allowed & (key[None, :] >= query[:, None] - window)).unsqueeze(-3)  # a dim for heads
+            else:  # no query reaches past its window here
+                masks[window] = None if cache is None else allowed.unsqueeze(-3)
         return positions, [masks[window] for window in self.windows]
 
     def hidden(self, idx, cache=None):
@@ -365,9 +368,11 @@ class GPT(nn.Module):
         positions, masks = self.attention_masks(T, cache, idx.device)
         cos_sin = rotary_tables(positions, self.config.n_embd // self.config.n_head, gen.rotary_base, gen.rotary_bf16)
         x = norm(self.transformer.wte(idx))
-        if gen.smear_backout:  # x[t] += smear_lambda * sigmoid(gate(x[t])) * x[t-1], from each row's position 1 on
-            previous = x[:, :-1] if cache is None or cache.previous is None else torch.cat([cache.previous[:, None], x[:, :-1]], 1)
-            previous = F.pad(previous, (0, 0, T - previous.size(1), 0))  # [B, T, C]: zeros where no token came before
+        if gen.smear_backout:
+            # Smear: x[t] += smear_lambda * sigmoid(gate(x[t])) * x[t-1] from each row's position 1 on, so the first
+            # real token of a left-padded row gets nothing. The cache carries each row's last x to the next call.
+            before = cache.previous if cache is not None and cache.previous is not None else torch.zeros_like(x[:, 0])
+            previous = torch.cat([before[:, None], x[:, :-1]], dim=1)  # [B, T, C]
             if cache is not None:
                 cache.previous = x[:, -1]
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]

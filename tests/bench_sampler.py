@@ -1,13 +1,15 @@
 """
-Sampler throughput: generated tokens per second, three ways, same random model and prompts.
+Sampler throughput: generated tokens per second, three ways, same random model(s) and prompts.
 
     python tests/bench_sampler.py                 # nanochat d4 shape, vocab 65,536
     python tests/bench_sampler.py --max-new-tokens 128 --device cuda
+    python tests/bench_sampler.py --generation classic smear-backout --repeats 5   # oldest vs newest nanochat GPT
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
 3. naive: no KV cache, a full forward over the whole sequence for every new token (one prompt's samples).
 The random model never emits a stop token, so every row generates exactly --max-new-tokens tokens.
+With several generations (same shape), their timings interleave, so that a busy machine slows them alike.
 """
 import argparse
 import os
@@ -17,65 +19,79 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
+from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--generation", nargs="+", default=["padded-vocab"], choices=list(GENERATIONS), help="nanochat GPT generation(s)")
 parser.add_argument("--n-layer", type=int, default=4)
 parser.add_argument("--n-embd", type=int, default=256)
 parser.add_argument("--n-head", type=int, default=2)
+parser.add_argument("--sequence-len", type=int, default=1024, help="sets the attention windows of generations with windows")
 parser.add_argument("--vocab-size", type=int, default=65536)
 parser.add_argument("--prompts", type=int, default=16)
 parser.add_argument("--samples", type=int, default=16)
 parser.add_argument("--max-new-tokens", type=int, default=64)
+parser.add_argument("--repeats", type=int, default=1, help="time each way this many times: median and range")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 args = parser.parse_args()
 
 torch.manual_seed(0)
 device = torch.device(args.device)
 tokenizer = Tokenizer.byte_level()
-config = GPTConfig(sequence_len=1024, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
-                   n_kv_head=args.n_head, n_embd=args.n_embd)
-model = GPT(config).init_weights(0).to(device).eval()
-with torch.no_grad():
-    model.lm_head.weight.normal_(0, 0.02)  # spread-out logits, so that sampling does real work
-    model.lm_head.weight[[tokenizer.assistant_end, tokenizer.bos]] = 0  # logit 0: never in the top 50, never stops
+config = GPTConfig(sequence_len=args.sequence_len, vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+                   n_kv_head=args.n_head, n_embd=args.n_embd, window_pattern="SSSL")
+models = {}
+for generation in args.generation:
+    model = models[generation] = GPT(config, generation).init_weights(0).to(device).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.02)  # spread-out logits, so that sampling does real work
+        model.lm_head.weight[[tokenizer.assistant_end, tokenizer.bos]] = 0  # logit 0: never in the top 50, never stops
 prompts = [torch.randint(0, 256, (int(n),)).tolist() for n in torch.randint(20, 80, (args.prompts,))]
 autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 print(f"model: {args.n_layer} layers, n_embd {args.n_embd}, vocab {args.vocab_size}; device {device}, "
       f"{torch.get_num_threads()} threads; {args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens")
 
 
-def timed(fn):
+def timed(fn, model):
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    tokens = fn()
+    tokens = fn(model)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return tokens, time.perf_counter() - start
 
 
-def batched():
+def batched(model):
     out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50)
     return int(out["lengths"].sum())
 
 
-def one_prompt_per_call():
+def one_prompt_per_call(model):
     return sum(int(generate(model, tokenizer, [p], args.samples, args.max_new_tokens, temperature=1.0,
                             top_k=50)["lengths"].sum()) for p in prompts)
 
 
 @torch.no_grad()
-def naive_one_prompt():
+def naive_one_prompt(model):
     idx = torch.tensor([prompts[0]] * args.samples, device=device)
     for _ in range(args.max_new_tokens):
-        idx = torch.cat([idx, sample_tokens(model.logits(model.hidden(idx)[:, -1], softcap=False), 1.0, 50, torch.rand(len(idx), device=device))[:, None]], dim=1)
+        logits = model.logits(model.hidden(idx)[:, -1], softcap=False)
+        token = sample_tokens(logits, 1.0, 50, torch.rand(len(idx), device=device), model.generation.softcap)
+        idx = torch.cat([idx, token[:, None]], dim=1)
     return args.samples * args.max_new_tokens
 
 
 with autocast:
-    generate(model, tokenizer, prompts[:2], 2, 4)  # warm-up
+    for model in models.values():
+        generate(model, tokenizer, prompts[:2], 2, 4)  # warm-up
     for name, fn in [("batched, one call", batched), ("one prompt per call", one_prompt_per_call),
                      ("naive, no cache (1 prompt)", naive_one_prompt)]:
-        tokens, seconds = timed(fn)
-        print(f"{name:28s} {tokens:7d} tokens in {seconds:6.2f} s = {tokens / seconds:8.0f} tokens/s")
+        runs = {generation: [] for generation in models}
+        for _ in range(args.repeats):
+            for generation, model in models.items():
+                runs[generation].append(timed(fn, model))
+        for generation, timings in runs.items():
+            rates = sorted(tokens / seconds for tokens, seconds in timings)
+            spread = f" (range {rates[0]:.0f}-{rates[-1]:.0f} over {args.repeats} runs)" if args.repeats > 1 else ""
+            print(f"{name:28s} {generation:14s} {timings[0][0]:7d} tokens, median {rates[len(rates) // 2]:8.0f} tokens/s{spread}")
