@@ -263,7 +263,7 @@ def make_optimizers(model, args):
                        dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale)]
         if model.value_embeds:
             adam_groups.append(dict(params=list(model.value_embeds.parameters()), lr=args.embedding_lr * scale * 0.5))
-        if model.generation.lambdas:  # scalars: fixed lrs, never decayed towards 0
+        if model.generation.lambdas:  # gains and gates: lrs not scaled by width, no decay that would pull them to 0
             adam_groups += [dict(params=[model.resid_lambdas], lr=0.005, weight_decay=0.0),
                             dict(params=[model.x0_lambdas], lr=0.5, betas=(0.96, 0.95), weight_decay=0.0)]
         if model.generation.smear_backout:

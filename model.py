@@ -471,8 +471,8 @@ def detect_generation(model_config, state):
     """-> (generation name, what was assumed or None), from the checkpoint's keys, shapes and config fields."""
     if any(k.startswith(("bigram_embed.", "bigram_lambdas")) for k in state):
         raise ValueError("this is a nanochat 'engram' checkpoint (bigram embeddings, on nanochat's master for one "
-                         "day, 2026-01-27/28), which nanogrpo does not support: continue training it in nanochat of "
-                         "a later commit, or start from a checkpoint of another generation")
+                         "day, 2026-01-27/28), which nanogrpo does not support: run it with nanochat at one of "
+                         "those commits, or start from a checkpoint of another generation")
     gate = next((v for k, v in state.items() if k.endswith("attn.ve_gate.weight")), None)
     if "smear_gate.weight" in state:
         return "smear-backout", None
