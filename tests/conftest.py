@@ -13,3 +13,21 @@ def gsm8k_dir():
     if not os.path.isfile(os.path.join(GSM8K_DIR, "test.jsonl")):
         pytest.skip("real GSM8K not found at ../shared/data/gsm8k")
     return GSM8K_DIR
+
+
+@pytest.fixture
+def run_killed_after_first_save(monkeypatch):
+    """grpo.main(argv), stopped right after its first checkpoint is written, as a kill at that moment would."""
+    import grpo
+    save = grpo.save_training_state
+
+    def save_then_crash(*a, **k):
+        save(*a, **k)
+        raise KeyboardInterrupt
+
+    def run(argv):
+        with monkeypatch.context() as patched:
+            patched.setattr(grpo, "save_training_state", save_then_crash)
+            with pytest.raises(KeyboardInterrupt):
+                grpo.main(argv)
+    return run

@@ -233,23 +233,14 @@ def nanochat_dir(tmp_path, generation):
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
-def test_resume_is_exact_for_every_generation(generation, tmp_path, monkeypatch):
+def test_resume_is_exact_for_every_generation(generation, tmp_path, monkeypatch, run_killed_after_first_save):
     init = nanochat_dir(tmp_path, generation)
     # A random model never writes a sorted answer: a reward that differs between replies gives the update a signal.
     monkeypatch.setattr(Sort, "reward", lambda self, conversation, reply: sum(reply.encode()) % 7 / 6)
     flags = ["--demo", "--init", init, "--algo", "grpo", "--runs-dir", str(tmp_path), "--eval-every", "0",
              "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "2", "--save-every", "1"]
     grpo.main(flags + ["--run-name", "straight"])
-    save = grpo.save_training_state
-
-    def save_then_crash(*a, **k):
-        save(*a, **k)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(grpo, "save_training_state", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        grpo.main(flags + ["--run-name", "resumed"])
-    monkeypatch.setattr(grpo, "save_training_state", save)
+    run_killed_after_first_save(flags + ["--run-name", "resumed"])
     grpo.main(flags + ["--run-name", "resumed", "--resume"])
     files = {}
     for name in ("straight", "resumed"):

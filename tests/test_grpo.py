@@ -222,19 +222,10 @@ def final_state(tmp_path, name, step):
     return model.state_dict()
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_save):
     flags = ["--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "muon"]
     grpo.main(run_flags(tmp_path, "straight", *flags))
-    save = grpo.save_training_state
-
-    def save_then_crash(*a, **k):
-        save(*a, **k)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(grpo, "save_training_state", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        grpo.main(run_flags(tmp_path, "resumed", *flags))
-    monkeypatch.setattr(grpo, "save_training_state", save)
+    run_killed_after_first_save(run_flags(tmp_path, "resumed", *flags))
     grpo.main(run_flags(tmp_path, "resumed", *flags, "--resume"))
     for (k, a), b in zip(final_state(tmp_path, "straight", 4).items(), final_state(tmp_path, "resumed", 4).values()):
         assert torch.equal(a, b), k
