@@ -298,6 +298,28 @@ def test_ddp_step_equals_single_process_step(tmp_path):
     assert len(evals[0]) == 2 and all(a == pytest.approx(b) for a, b in zip(*evals))
 
 
+def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
+    model, batch = sampled_batch(args_for())
+    (-model.token_logprobs(batch["input_ids"], batch["target_ids"]).mean()).backward()
+    params = list(model.parameters())
+    single = [p.grad.clone() for p in params]
+    sizes = []
+
+    def two_equal_ranks(tensor, op=None):  # a sum over two ranks that hold the same gradient
+        sizes.append(tensor.numel())
+        return tensor.mul_(2)
+
+    monkeypatch.setattr(grpo.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(grpo.dist, "all_reduce", two_equal_ranks)
+    grpo.all_reduce_gradients(params, bucket_bytes=4 * 3000)  # 3,000 floats a bucket: several buckets
+    assert 1 < len(sizes) < len(params) and sum(sizes) == sum(p.numel() for p in params)
+    for p, g in zip(params, single):
+        assert torch.equal(p.grad, 2 * g)
+    sizes.clear()
+    grpo.all_reduce_gradients(params)
+    assert len(sizes) == 1  # the default bucket holds this whole model
+
+
 def test_demo_learns_from_random_weights(tmp_path, capsys):
     # the demo's settings, shortened: a larger learning rate so that 60 steps show a clear rise
     grpo.main(["--demo", "--runs-dir", str(tmp_path), "--run-name", "learn", "--num-steps", "60", "--eval-every", "60",

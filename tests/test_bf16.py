@@ -1,0 +1,100 @@
+"""Mixed precision (--dtype bfloat16) is CPU autocast here and CUDA autocast on a GPU: the same code, tested on the CPU."""
+import json
+import os
+
+import pytest
+import torch
+
+import grpo
+from model import GENERATIONS, generate, load_checkpoint
+from test_generations import EMBEDDINGS, FIXTURES, TOK, nanochat_dir, random_model, random_tokens
+from test_grpo import GradRecorder, args_for, run_flags, sampled_batch
+
+BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
+# bf16 keeps 8 bits of mantissa: log-probs of about -6 to -15 move by a few hundredths of a nat.
+LOGPROB_MAX_ERROR, LOGPROB_MEAN_ERROR = 0.1, 0.02
+BF16_LOGIT_NOISE = 0.25  # four bf16 steps at the softcap's scale
+
+
+@pytest.mark.parametrize("algo", grpo.PRESETS)
+def test_one_bf16_step_of_every_preset(algo, tmp_path):
+    model = grpo.main(run_flags(tmp_path, algo, "--algo", algo, "--dtype", "bfloat16", "--num-steps", "2"))
+    metrics = [json.loads(line) for line in open(tmp_path / algo / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(v is None or v == v for m in metrics for v in m.values())  # no NaN anywhere
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay float32
+
+
+def test_bf16_first_update_has_ratio_one_and_the_reinforce_gradient():
+    reinforce = args_for("--algo", "reinforce")
+    grpo_like = args_for("--algo", "grpo", "--ppo-epochs", "2", "--kl-coef", "0", "--advantage", "mean",
+                         "--aggregation", "token")
+    model, batch = sampled_batch(reinforce)
+    grads = {}
+    for name, args in (("reinforce", reinforce), ("grpo", grpo_like)):
+        recorder = GradRecorder(model)
+        stats, _ = grpo.policy_update(model, [recorder], batch, args, BF16)
+        assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] == 0.0
+        grads[name] = recorder.grads[0]  # the first update of the batch
+    assert batch["advantages"].abs().sum() > 0
+    for a, b in zip(grads["reinforce"], grads["grpo"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_bf16_logprobs_stay_near_float32(generation):
+    model = random_model(generation, scale=0.1)
+    ids = torch.tensor(random_tokens(150, 150, seed=3))
+    with torch.no_grad():
+        exact = model.token_logprobs(ids[:, :-1], ids[:, 1:])
+        with BF16:
+            mixed = model.token_logprobs(ids[:, :-1], ids[:, 1:])
+    assert mixed.dtype == torch.float32
+    assert (mixed - exact).abs().max() < LOGPROB_MAX_ERROR and (mixed - exact).abs().mean() < LOGPROB_MEAN_ERROR
+
+
+@pytest.mark.parametrize("name", ["classic", "smear-backout"])
+def test_bf16_logprobs_of_nanochat_fixtures_stay_near_nanochat_float32(name):
+    folder = os.path.join(FIXTURES, name)
+    if not os.path.isdir(folder):
+        pytest.skip(f"nanochat fixture {name} not found")
+    reference = torch.load(os.path.join(folder, "reference.pt"))
+    model, _ = load_checkpoint(os.path.join(folder, "base", "chatsft_checkpoints", "d4"))
+    ids = torch.tensor([reference["prompt_logprob"] + reference["continuation"]])
+    with torch.no_grad(), BF16:
+        mixed = model.token_logprobs(ids[:, :-1], ids[:, 1:])[0, len(reference["prompt_logprob"]) - 1:]
+    assert (mixed - reference["logprobs"]).abs().max() < LOGPROB_MAX_ERROR
+
+
+@pytest.mark.parametrize("generation", ["padded-vocab", "smear-backout"])
+def test_bf16_sampler_greedy_equals_a_bf16_forward_without_cache(generation):
+    # Cached and uncached bf16 forwards round differently, and bf16 logits of size 8-16 are spaced 0.0625 apart,
+    # so near-ties may break either way: each greedy token must be the uncached argmax or within that noise of it.
+    model = random_model(generation, scale=0.5)
+    prompts = random_tokens(40, 75)
+    with BF16:
+        sampled = generate(model, TOK, prompts, 1, 24, temperature=0, use_calculator=False)
+    exact, total = 0, 0
+    for row, prompt in enumerate(prompts):
+        reply = sampled["tokens"][row, :sampled["lengths"][row]]
+        with torch.no_grad(), BF16:
+            logits = model(torch.cat([torch.tensor(prompt), reply])[None])[0, len(prompt) - 1:-1]  # [T, V]
+        chosen = logits.gather(1, reply[:, None]).squeeze(1)
+        assert (logits.max(dim=1).values - chosen).max() < BF16_LOGIT_NOISE
+        exact += (logits.argmax(dim=1) == reply).sum().item()
+        total += len(reply)
+    assert total >= 40 and exact >= 0.9 * total
+
+
+def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):
+    init = nanochat_dir(tmp_path, "smear-backout")
+    grpo.main(["--demo", "--init", init, "--dtype", "bfloat16", "--runs-dir", str(tmp_path), "--run-name", "bf",
+               "--eval-every", "0", "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "1"])
+    out = tmp_path / "bf" / "chatrl_checkpoints" / "d4"
+    saved = torch.load(out / "model_000001.pt", weights_only=True)
+    source = torch.load(os.path.join(init, "model_000005.pt"), weights_only=True)
+    assert {k: v.dtype for k, v in saved.items()} == {k: v.dtype for k, v in source.items()}
+    assert {v.dtype for k, v in saved.items() if k.startswith(EMBEDDINGS)} == {torch.bfloat16}
+    state = torch.load(out / "state_000001.pt", weights_only=True)
+    assert set(state["master_weights"]) == {k for k in saved if k.startswith(EMBEDDINGS)}
+    assert {v.dtype for v in state["master_weights"].values()} == {torch.float32}
