@@ -1,6 +1,8 @@
 """Mixed precision (--dtype bfloat16) is CPU autocast here and CUDA autocast on a GPU: the same code, tested on the CPU."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,3 +100,12 @@ def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):
     state = torch.load(out / "state_000001.pt", weights_only=True)
     assert set(state["master_weights"]) == {k for k in saved if k.startswith(EMBEDDINGS)}
     assert {v.dtype for v in state["master_weights"].values()} == {torch.float32}
+
+
+def test_gpu_bench_runs_its_code_on_a_tiny_shape():
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gpu.py")
+    smoke = subprocess.run([sys.executable, bench, "--smoke"], capture_output=True, text=True, check=True).stdout
+    assert "decode step" in smoke and "step reinforce" in smoke and "step grpo" in smoke
+    if not torch.cuda.is_available():
+        plain = subprocess.run([sys.executable, bench], capture_output=True, text=True, check=True).stdout
+        assert "needs" in plain or "none" in plain

@@ -1,0 +1,174 @@
+"""
+GPU benchmark: rollouts and training steps of nanochat-shaped models, next to the hardware's limits.
+
+    python tests/bench_gpu.py                          # d12 and d20 shapes, vocab 65,536, bf16, on CUDA
+    python tests/bench_gpu.py --shapes d20 --peak-tflops 989
+    python tests/bench_gpu.py --smoke                  # the same code on a tiny shape, any device (a quick check)
+
+For each shape (random weights, nanochat's newest GPT generation by default):
+(a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call and one call per
+    prompt; the decode step's time next to its memory-bandwidth bound (bytes of bf16 weights + KV cache read
+    per step / the bandwidth of a device-to-device copy measured here);
+(b) one training step of `reinforce` and of `grpo`: its split (sample / old + reference log-probs / update),
+    the update's model FLOP utilisation (6 x matmul parameters + attention per token, recomputation not
+    counted) and peak memory.
+The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random.
+Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
+"""
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
+
+SHAPES = {  # nanochat's depth-d models: width 64 * d, heads of 128 channels
+    "d12": dict(n_layer=12, n_embd=768, n_head=6, n_kv_head=6),
+    "d20": dict(n_layer=20, n_embd=1280, n_head=10, n_kv_head=10),
+    "tiny": dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=2),
+}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (SXM parts)
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--shapes", default="d12,d20", help="comma-separated: " + ", ".join(SHAPES))
+parser.add_argument("--generation", default="smear-backout", choices=list(GENERATIONS))
+parser.add_argument("--vocab-size", type=int, default=65536)
+parser.add_argument("--prompts", type=int, default=16)
+parser.add_argument("--samples", type=int, default=16)
+parser.add_argument("--prompt-len", type=int, default=128)
+parser.add_argument("--new-tokens", type=int, default=256)
+parser.add_argument("--device-batch-size", type=int, default=32, help="rows per forward/backward in the update")
+parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known GPUs by name)")
+parser.add_argument("--smoke", action="store_true", help="tiny shape and batch on any device: checks that the script runs")
+parser.add_argument("--device", default="cuda")
+args = parser.parse_args()
+if args.smoke:
+    args.shapes, args.vocab_size, args.prompts, args.samples, args.prompt_len, args.new_tokens = "tiny", 512, 2, 2, 16, 8
+    args.device = args.device if torch.cuda.is_available() else "cpu"
+elif not torch.cuda.is_available():
+    print("bench_gpu.py measures a CUDA GPU, and this machine has none: nothing to measure "
+          "(--smoke runs the same code on a tiny shape here)")
+    sys.exit(0)
+
+device = torch.device(args.device)
+cuda = device.type == "cuda"
+autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+tokenizer = Tokenizer.byte_level()  # only its stop and tool ids matter here, and the model never emits them
+name = torch.cuda.get_device_name(device) if cuda else "cpu"
+peak_tflops = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
+
+
+def copy_bandwidth():
+    """Bytes per second of a large device-to-device copy (read + write): what a decode step can hope for."""
+    x = torch.empty((2 ** 28 if cuda else 2 ** 24) // 4, dtype=torch.float32, device=device)
+    x.clone()
+    _, seconds = timed(lambda: [x.clone() for _ in range(10)])
+    return 2 * x.numel() * 4 * 10 / seconds
+
+
+def random_model(shape):
+    config = GPTConfig(sequence_len=2048, vocab_size=args.vocab_size, window_pattern="SSSL", **SHAPES[shape])
+    model = GPT(config, args.generation).init_weights(0).to(device)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.02)  # spread-out logits, so that sampling does real work
+        stop_and_tools = [tokenizer.assistant_end, tokenizer.bos, tokenizer.python_start, tokenizer.python_end]
+        model.lm_head.weight[stop_and_tools] = 0  # logit 0: never in the top 50, so never sampled
+    return model
+
+
+def rollouts(model, prompts):
+    with autocast:
+        return generate(model, tokenizer, prompts, args.samples, args.new_tokens, temperature=1.0, top_k=50, seed=0,
+                        use_calculator=False)
+
+
+def decode_bound(model, rows, bandwidth):
+    """Seconds per decode step if it only had to read the bf16 weights and the average KV cache once."""
+    embedding_tables = model.transformer.wte.weight.numel() + sum(p.numel() for p in model.value_embeds.parameters())
+    weight_bytes = 2 * (sum(p.numel() for p in model.parameters()) - embedding_tables)  # tables: a row per token
+    c = model.config
+    average_len = args.prompt_len + args.new_tokens / 2
+    kv_bytes = 2 * 2 * c.n_layer * rows * c.n_kv_head * (c.n_embd // c.n_head) * average_len
+    return (weight_bytes + kv_bytes) / bandwidth, weight_bytes, kv_bytes
+
+
+def update_flops(model, batch, passes):
+    """Model FLOPs of the update: forward + backward = 6 per matmul parameter per token, plus attention."""
+    c = model.config
+    matmul_params = sum(p.numel() for p in model.transformer.h.parameters()) + model.lm_head.weight.numel()
+    N, T = batch["input_ids"].shape
+    attention = 12 * c.n_layer * c.n_embd * T  # QK^T and AV, forward and backward, full (not causal-halved) as nanochat counts
+    return passes * N * T * (6 * matmul_params + attention)
+
+
+def training_step(model, prompts, algo):
+    flags = ["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples),
+             "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(args.device_batch_size)]
+    step_args = grpo.resolve_config(flags)
+    policy = copy.deepcopy(model)
+    optimizers = grpo.make_optimizers(policy, step_args)
+    ref_model = copy.deepcopy(policy).requires_grad_(False) if step_args.kl_coef > 0 else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    samples, time_sample = timed(lambda: rollouts(policy, prompts))
+    rewards = torch.rand(args.prompts, args.samples, generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) for k, v in grpo.make_batch(prompts, samples, rewards, step_args).items()}
+    (stats, time_logprobs), seconds = timed(lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model))
+    time_update = seconds - time_logprobs
+    passes = step_args.ppo_epochs * step_args.num_minibatches
+    mfu = update_flops(policy, batch, passes) / time_update / (peak_tflops * 1e12) if peak_tflops else None
+    peak_memory = f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB" if cuda else "-"
+    print(f"  step {algo:9s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
+          f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, batch {tuple(batch['input_ids'].shape)}) | "
+          f"update MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory {peak_memory}")
+
+
+bandwidth = copy_bandwidth()
+print(f"device: {name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; dense bf16 peak "
+      f"{'unknown (pass --peak-tflops)' if peak_tflops is None else f'{peak_tflops:.0f} TFLOP/s'}; torch {torch.__version__}")
+print(f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, prompts of {args.prompt_len} "
+      f"tokens, generation {args.generation}, vocab {args.vocab_size}, bf16 autocast")
+gen = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 256, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+for shape in args.shapes.split(","):
+    model = random_model(shape).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
+    rollouts(model, prompts[:2])  # warm-up: kernels, allocator
+    new_tokens = args.prompts * args.samples * args.new_tokens
+    _, batched_seconds = timed(lambda: rollouts(model, prompts))
+    _, per_prompt_seconds = timed(lambda: [rollouts(model, [p]) for p in prompts])
+    # the decode step: a whole call minus a call that only prefills and draws the first token
+    saved, args.new_tokens = args.new_tokens, 1
+    _, prefill_seconds = timed(lambda: rollouts(model, prompts))
+    args.new_tokens = saved
+    step_seconds = (batched_seconds - prefill_seconds) / (args.new_tokens - 1)
+    bound, weight_bytes, kv_bytes = decode_bound(model, args.prompts * args.samples, bandwidth)
+    print(f"  rollouts: one call {new_tokens / batched_seconds:9.0f} tokens/s ({batched_seconds:.2f} s); "
+          f"one prompt per call {new_tokens / per_prompt_seconds:9.0f} tokens/s ({per_prompt_seconds:.2f} s)")
+    print(f"  decode step ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
+          f"{1e3 * bound:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB a step) "
+          f"= {bound / step_seconds:.0%} of the bound")
+    for algo in ("reinforce", "grpo"):
+        training_step(model, prompts, algo)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
