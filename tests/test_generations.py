@@ -63,18 +63,23 @@ def one_step_of_training(model, optimizer):
 
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_cached_decoding_matches_full_forward(generation):
-    # prompts longer than every window (S = 32 or 128, L = 64 here), left-padded to different lengths
+    # prompts longer than every window (S = 32 or 128, L = 64 here), left-padded to different lengths; after the
+    # prefill the batch drops a row and reorders the rest, as the sampler does (the smear's last token moves along)
     model = random_model(generation)
     prompts = random_tokens(90, 131, 140)
     continuation = torch.tensor(random_tokens(8, 8, 8, seed=2))
     longest = max(map(len, prompts))
     cache = KVCache(model.config.n_layer, torch.tensor([longest - len(p) for p in prompts]), longest + 8)
+    kept = [2, 0]
     with torch.no_grad():
         padded = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-        steps = [model(padded, cache)[:, -1]] + [model(continuation[:, i:i + 1], cache)[:, -1] for i in range(8)]
-        for b, p in enumerate(prompts):
-            full = model(torch.cat([torch.tensor(p), continuation[b]])[None])[0, len(p) - 1:]
-            torch.testing.assert_close(torch.stack([s[b] for s in steps]), full, rtol=0, atol=2e-5)
+        steps = [model(padded, cache)[kept, -1]]
+        cache.select(torch.tensor(kept))
+        steps += [model(continuation[kept, i:i + 1], cache)[:, -1] for i in range(8)]
+        for row, b in enumerate(kept):
+            full = model(torch.cat([torch.tensor(prompts[b]), continuation[b]])[None])[0, len(prompts[b]) - 1:]
+            # the same tolerance as against nanochat: padding and batching change float32 summation order only
+            torch.testing.assert_close(torch.stack([s[row] for s in steps]), full, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
