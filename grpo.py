@@ -212,7 +212,7 @@ def aggregation_count(loss_mask, kind, max_new_tokens):
         return loss_mask.sum()  # reply tokens (DAPO; what nanochat intends)
     if kind == "sequence":
         return (loss_mask.sum(dim=1) > 0).sum()  # replies with at least one token in the loss (GRPO paper)
-    return torch.tensor(loss_mask.size(0) * max_new_tokens)  # a constant (Dr. GRPO)
+    return torch.tensor(loss_mask.size(0) * max_new_tokens, device=loss_mask.device)  # a constant (Dr. GRPO)
 
 
 def aggregate(per_token, loss_mask, kind, denominator):
@@ -463,9 +463,12 @@ def make_batch(prompts, samples, rewards, args):
 
 @torch.no_grad()
 def frozen_logprobs(net, batch, micro_batches, args, autocast):
+    """Log-probs [N, T] of the batch under a net that does not train (pi_old, pi_ref), micro-batch by micro-batch."""
+    logprobs = torch.zeros_like(batch["loss_mask"])
     with autocast:
-        return torch.cat([net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
-                          for mb in micro_batches])
+        for mb in micro_batches:
+            logprobs[mb] = net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
+    return logprobs
 
 
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
@@ -473,9 +476,12 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     device = batch["input_ids"].device
     loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
     N = loss_mask.size(0)
-    bounds = [i * N // args.num_minibatches for i in range(args.num_minibatches + 1)]  # rows of each minibatch
-    minibatches = [[slice(j, min(j + args.device_batch_size, end)) for j in range(start, end, args.device_batch_size)]
-                   for start, end in zip(bounds, bounds[1:])]  # each a list of micro-batches (memory only)
+    # Minibatch j takes the replies whose global row number is j modulo num_minibatches. Each rank holds a
+    # contiguous block of N rows, so the union over ranks of a minibatch is one process's minibatch: any number
+    # of ranks takes the same optimizer steps.
+    global_rows = (dist.get_rank() if dist.is_initialized() else 0) * N + torch.arange(N, device=device)
+    minibatches = [list(torch.arange(N, device=device)[global_rows % args.num_minibatches == j].split(args.device_batch_size))
+                   for j in range(args.num_minibatches)]  # each a list of micro-batches (memory only)
     micro_batches = [mb for minibatch in minibatches for mb in minibatch]
 
     # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
@@ -488,23 +494,31 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "tokens", "kl", "neg_logprob")}
     ratio_min, ratio_max = zero + float("inf"), zero - float("inf")
-    grad_norms, skipped = [], 0
+    grad_norms, skipped, empty = [], 0, 0
     model.train()
     for epoch in range(args.ppo_epochs):
         for minibatch in minibatches:
             counts = [aggregation_count(loss_mask[mb], args.aggregation, args.max_new_tokens) for mb in minibatch]
-            denominator = all_reduce(torch.stack(counts).sum().float().to(device)).clamp(min=1)  # global, over ranks
+            tokens = sum(loss_mask[mb].sum() for mb in minibatch)
+            denominator, tokens = all_reduce(torch.stack([torch.stack(counts).sum().float(), tokens]).to(device))  # global
+            if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
+                empty += 1
+                continue
             minibatch_loss = zero.clone()
             for mb in minibatch:
                 mask = loss_mask[mb]
                 with autocast:
                     logprobs = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)  # [B, T]
-                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
+                # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
+                # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
+                keep = mask > 0
+                logprobs = torch.where(keep, logprobs, 0.0)
+                old = torch.where(keep, old_logprobs[mb], 0.0) if old_logprobs is not None else logprobs.detach()
                 policy, clipped = clipped_policy_loss(logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high)
                 loss_policy = aggregate(policy, mask, args.aggregation, denominator)
                 loss = loss_policy
                 if ref_model is not None:  # the KL penalty, weighted by beta
-                    kl = kl_penalty(logprobs, ref_logprobs[mb], args.kl_estimator)
+                    kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs[mb], 0.0), args.kl_estimator)
                     loss_kl = aggregate(kl, mask, args.aggregation, denominator)
                     loss = loss_policy + args.kl_coef * loss_kl
                     sums["loss_kl"] += loss_kl.detach()
@@ -545,6 +559,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
         "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
         "skipped_updates": skipped,
+        "empty_updates": empty,
     }, time_logprobs
 
 

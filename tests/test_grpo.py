@@ -104,6 +104,43 @@ def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
         assert calls.count(False) == no_grad_calls, flags
 
 
+def test_an_empty_minibatch_takes_no_optimizer_step():
+    # Momentum from an earlier step would move the weights on a zero gradient: an all-masked minibatch must not step.
+    args = args_for("--algo", "grpo", "--drop-equal-groups", "--num-minibatches", "2", "--lr", "0.05")
+    model, batch = sampled_batch(args)
+    optimizers = grpo.make_optimizers(model, args)
+    grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch["loss_mask"].zero_()  # every group dropped
+    stats, _ = grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
+    assert stats["empty_updates"] == args.ppo_epochs * args.num_minibatches and stats["skipped_updates"] == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_infinite_terms_at_masked_positions_change_nothing(monkeypatch):
+    # k3 at a masked position where the reference is far more likely (low temperature, a prompt token) is inf:
+    # it must not turn the loss into NaN, nor change the gradient.
+    args = args_for("--algo", "grpo", "--ppo-epochs", "1")
+    model, batch = sampled_batch(args)
+    masked = batch["loss_mask"] == 0
+    assert masked.any()
+    ref_model = GPT(model.config)
+    grads = []
+    for poison in (False, True):
+        def ref_logprobs(net, batch, micro_batches, args, autocast, poison=poison):
+            ref = model.token_logprobs(batch["input_ids"], batch["target_ids"]).detach() - 0.1
+            return ref.masked_fill(masked, 1e4) if poison else ref
+
+        monkeypatch.setattr(grpo, "frozen_logprobs", ref_logprobs)
+        recorder = GradRecorder(model)
+        stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, ref_model)
+        assert math.isfinite(stats["loss"]) and math.isfinite(stats["kl"]) and stats["skipped_updates"] == 0
+        grads.append(recorder.grads[0])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------- the terms, by hand
 
 def test_clipping_zeroes_exactly_the_gradients_it_should():
@@ -272,15 +309,19 @@ def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, 
     assert [m["skipped_updates"] for m in metrics] == [0, 0, 1, 1, 1]
 
 
-def test_ddp_step_equals_single_process_step(tmp_path):
-    # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers
-    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4",
-                      "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
+@pytest.mark.parametrize("optimizer,minibatches,port", [("muon", "1", "29533"), ("adamw", "2", "29534")])
+def test_ddp_step_equals_single_process_step(tmp_path, optimizer, minibatches, port):
+    # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers.
+    # Two minibatches: each rank's share of a minibatch must be its share of the single process's minibatch. (Not
+    # with Muon: its Newton-Schulz iteration amplifies the float32 summation-order noise of the first step's
+    # gradient to ~1e-5 in the second step's weights.)
+    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4", "--optimizer",
+                      optimizer, "--lr", "1e-3", "--num-minibatches", minibatches, "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
     single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
     double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "grpo.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
                     "grpo.py", *double], cwd=ROOT, env=env, check=True, capture_output=True)
     a, b = final_state(tmp_path, "single", 1), final_state(tmp_path, "ddp", 1)
     start = GPT(GPTConfig(**json.load(open(tmp_path / "single" / "chatrl_checkpoints" / "d2" / "meta_000001.json"))["model_config"]))
