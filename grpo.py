@@ -44,11 +44,12 @@ from tasks.sort import Sort
 
 parser = argparse.ArgumentParser(description="GRPO / REINFORCE on GSM8K or a toy task, in one file.")
 # the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
-parser.add_argument("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo"], help="algorithm preset")
+parser.add_argument("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo", "gspo"], help="algorithm preset")
 parser.add_argument("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
 parser.add_argument("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
 parser.add_argument("--ppo-epochs", type=int, help="passes over each sampled batch (mu in the GRPO paper)")
 parser.add_argument("--num-minibatches", type=int, help="optimizer steps per pass over the sampled batch")
+parser.add_argument("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 parser.add_argument("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
 parser.add_argument("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
 parser.add_argument("--kl-coef", type=float, help="beta; 0 builds no reference model")
@@ -56,6 +57,7 @@ parser.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], help="per-toke
 parser.add_argument("--ref-reset-every", type=int, help="copy the policy into the reference every N steps (0: never)")
 parser.add_argument("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave groups whose rewards are all equal out of the loss")
 parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave replies that hit --max-new-tokens out of the loss")
+parser.add_argument("--overlong-buffer", type=int, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens (0: off)")
 # the task and the start policy
 parser.add_argument("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
 parser.add_argument("--task", default="gsm8k", choices=["gsm8k", "sort"])
@@ -105,17 +107,20 @@ parser.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="print a sid
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
-    "reinforce": dict(advantage="mean", aggregation="token", ppo_epochs=1, num_minibatches=1, clip_eps=0.2,
+    "reinforce": dict(advantage="mean", aggregation="token", ratio_level="token", ppo_epochs=1, num_minibatches=1, clip_eps=0.2,
                       clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
                       drop_equal_groups=False, mask_truncated=False),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
-    "grpo": dict(advantage="zscore", aggregation="sequence", ppo_epochs=2, num_minibatches=1, clip_eps=0.2,
+    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", ppo_epochs=2, num_minibatches=1, clip_eps=0.2,
                  clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
                  drop_equal_groups=False, mask_truncated=False),
 }
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # Dr. GRPO: no length or std bias
 PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher,
                        drop_equal_groups=True, mask_truncated=True)  # dynamic sampling (as dropping), overlong filtering
+# GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
+PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
+                       clip_eps_high=4e-4, kl_coef=0.0)
 # The demo trains a 2-layer GPT from random weights; its settings were chosen by measurement (README): with AdamW
 # instead of Muon, held-out reward stalled at 0.74-0.87. It defaults to the full GRPO preset because from a random
 # start reinforce collapses onto one answer for every prompt before it learns to read the prompt.
@@ -139,6 +144,8 @@ def resolve_config(argv=None):
             setattr(args, key, value)
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
+        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
     if args.num_steps is None:
         args.num_steps = 7473 // args.prompts_per_step if args.task == "gsm8k" else 300
     if args.run_name is None:
@@ -149,6 +156,7 @@ def resolve_config(argv=None):
         (args.num_samples < 2, f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (not 0 <= args.overlong_buffer <= args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
         (args.ref_reset_every < 0, "--ref-reset-every must be >= 0"),
         (args.ref_reset_every > 0 and args.kl_coef == 0, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
         (args.ppo_epochs < 1 or args.num_minibatches < 1, "--ppo-epochs and --num-minibatches must be >= 1"),
@@ -183,12 +191,25 @@ def group_advantages(rewards, kind, eps=1e-4):
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, eps_low, eps_high):
-    """Per-token PPO-clip term. logprobs, old_logprobs [B, T]; advantages [B, 1] -> (loss [B, T], clipped [B, T]).
+def sequence_log_ratio(log_ratio, loss_mask):
+    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its
+    exponential is the length-normalised ratio of the whole reply's likelihood, and its gradient reaches every
+    token of the reply."""
+    return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
 
-    With old_logprobs = logprobs.detach() the ratio is exactly 1 and the gradient is A * grad(log pi):
-    plain REINFORCE."""
-    ratio = torch.exp(logprobs - old_logprobs)
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
+    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high):
+    """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
+    advantages [B, 1] -> (loss, clipped), shaped like log_ratio.
+
+    With pi_old = pi_theta detached the ratio is exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
@@ -514,7 +535,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 keep = mask > 0
                 logprobs = torch.where(keep, logprobs, 0.0)
                 old = torch.where(keep, old_logprobs[mb], 0.0) if old_logprobs is not None else logprobs.detach()
-                policy, clipped = clipped_policy_loss(logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high)
+                log_ratio = logprobs - old  # [B, T]
+                if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
+                    log_ratio = sequence_log_ratio(log_ratio, mask)  # [B, 1]
+                policy, clipped = clipped_policy_loss(log_ratio, advantages[mb], args.clip_eps, args.clip_eps_high)
                 loss_policy = aggregate(policy, mask, args.aggregation, denominator)
                 loss = loss_policy
                 if ref_model is not None:  # the KL penalty, weighted by beta
@@ -531,7 +555,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                     sums["clipped"] += (clipped * mask).sum()
                     sums["tokens"] += mask.sum()
                     sums["neg_logprob"] -= (logprobs * mask).sum()
-                    ratio = torch.exp(logprobs - old).masked_fill(mask == 0, 1.0)
+                    ratio = torch.exp(log_ratio).expand_as(mask).masked_fill(mask == 0, 1.0)
                     ratio_min, ratio_max = torch.minimum(ratio_min, ratio.min()), torch.maximum(ratio_max, ratio.max())
             # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
             all_reduce_gradients(list(model.parameters()))
@@ -670,20 +694,23 @@ def main(argv=None):
         G = args.num_samples
         rewards = torch.tensor([train_task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
                                 for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
-        batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards, args).items()}
+        penalty = torch.zeros_like(rewards)
+        if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
+            penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+        batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards + penalty, args).items()}
         update_start = time.time()
         stats, time_logprobs = policy_update(model, optimizers, batch, args, autocast, ref_model)
         time_update = time.time() - update_start - time_logprobs
 
         # 6. Log, evaluate, save.
-        counts = all_reduce(torch.tensor([len(prompts), rewards.numel(), rewards.sum(), rewards.std(dim=1).sum(),
-                                          batch["equal_groups"].sum(),
-                                          samples["lengths"].sum().item(), samples["truncated"].sum().item()],
+        counts = all_reduce(torch.tensor([len(prompts), rewards.numel(), rewards.sum(), (rewards + penalty).std(dim=1).sum(),
+                                          batch["equal_groups"].sum(), samples["lengths"].sum().item(),
+                                          samples["truncated"].sum().item(), penalty.sum()],
                                          dtype=torch.float64, device=device)).tolist()
         groups, replies = counts[0], counts[1]
         metrics = {"step": step + 1, "reward": counts[2] / replies, "reward_group_std": counts[3] / groups,
                    "equal_group_frac": counts[4] / groups, **stats, "reply_len": counts[5] / replies,
-                   "truncated_frac": counts[6] / replies, "lr_multiplier": lr_multiplier,
+                   "truncated_frac": counts[6] / replies, "overlong_penalty": counts[7] / replies, "lr_multiplier": lr_multiplier,
                    "time_sample": time_sample, "time_logprobs": time_logprobs, "time_update": time_update,
                    "tokens_per_s": counts[5] / time_sample,
                    "peak_mem_mb": (torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda"

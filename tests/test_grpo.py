@@ -148,7 +148,7 @@ def test_clipping_zeroes_exactly_the_gradients_it_should():
     #                        rho:  1.5   0.5   1.5   0.5   1.1   0.9
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.5, 0.5, 1.1, 0.9]])).requires_grad_()
     advantages = torch.tensor([[2.0, -2.0, -2.0, 2.0, 2.0, -2.0]]).T.reshape(1, 6)
-    loss, clipped = grpo.clipped_policy_loss(logprobs, old, advantages, 0.2, 0.3)
+    loss, clipped = grpo.clipped_policy_loss(logprobs - old, advantages, 0.2, 0.3)
     loss.sum().backward()
     ratio = logprobs.detach().exp()
     # clipped: rho > 1.3 with A > 0, rho < 0.8 with A < 0
@@ -157,6 +157,53 @@ def test_clipping_zeroes_exactly_the_gradients_it_should():
     # elsewhere the unclipped gradient: d(-rho * A)/d(log pi) = -rho * A
     torch.testing.assert_close(logprobs.grad[0, 2:], (-ratio * advantages)[0, 2:])
     torch.testing.assert_close(loss[0, :2], torch.tensor([-1.3 * 2.0, -0.8 * -2.0]))
+
+
+def test_sequence_ratio_gradient_equals_a_direct_gspo_loss():
+    torch.manual_seed(0)
+    logprobs = (-torch.rand(3, 5) * 3).requires_grad_()
+    old = logprobs.detach() + torch.randn(3, 5) * 0.01
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 1, 0, 1]], dtype=torch.float)
+    advantages = torch.tensor([[1.5], [-0.7], [0.4]])
+    eps_low, eps_high = 3e-4, 4e-4
+    log_ratio = grpo.sequence_log_ratio(logprobs - old, mask)
+    policy, clipped = grpo.clipped_policy_loss(log_ratio, advantages, eps_low, eps_high)
+    ours = grpo.aggregate(policy.expand_as(mask), mask, "sequence", denominator=3)
+    # GSPO written out: s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|), loss = -mean_i min(s_i A_i, clip(s_i) A_i)
+    direct = 0
+    for i in range(3):
+        keep = mask[i].bool()
+        s = torch.exp((logprobs[i][keep] - old[i][keep]).sum() / keep.sum())
+        direct = direct - torch.minimum(s * advantages[i, 0], s.clamp(1 - eps_low, 1 + eps_high) * advantages[i, 0]) / 3
+    torch.testing.assert_close(ours, direct)
+    g_ours, = torch.autograd.grad(ours, logprobs)
+    g_direct, = torch.autograd.grad(direct, logprobs)
+    torch.testing.assert_close(g_ours, g_direct)
+    assert clipped.any() and not clipped.all()  # the test covers both branches
+    assert (g_ours[mask == 0] == 0).all() and (g_ours[~clipped.squeeze(1)][mask[~clipped.squeeze(1)] > 0] != 0).all()
+
+
+def test_sequence_ratio_equals_token_ratio_when_replies_have_one_token():
+    # a real optimizer and two epochs, so that the second pass sees ratios != 1 and clipping
+    flags = ["--algo", "grpo", "--kl-coef", "0", "--lr", "0.05", "--clip-eps", "0.01"]
+    results = []
+    for level in ("token", "sequence"):
+        args = args_for(*flags, "--ratio-level", level)
+        model, batch = sampled_batch(args)
+        first = batch["loss_mask"].argmax(dim=1)
+        batch["loss_mask"].zero_()[torch.arange(len(first)), first] = 1.0  # one policy token per reply
+        stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+        results.append((stats, model.state_dict()))
+    (token_stats, token_state), (sequence_stats, sequence_state) = results
+    assert token_stats["clip_frac"] > 0 and token_stats["clip_frac"] == sequence_stats["clip_frac"]
+    for k, v in token_state.items():
+        torch.testing.assert_close(v, sequence_state[k], rtol=0, atol=1e-6)
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([10, 16, 17, 18, 20, 21])
+    # max 20 tokens, buffer 4: free up to 16, then -1/4 per token, -1 at 20 and beyond
+    assert grpo.overlong_penalty(lengths, 20, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
 
 
 def test_kl_estimators_by_hand():
@@ -223,6 +270,11 @@ def test_presets_and_explicit_overrides():
     dapo = args_for("--algo", "dapo")
     assert (dapo.clip_eps_high, dapo.drop_equal_groups, dapo.mask_truncated, dapo.aggregation) == (0.28, True, True, "token")
     assert args_for("--algo", "dr_grpo").aggregation == "constant"
+    gspo = args_for("--algo", "gspo")
+    assert (gspo.ratio_level, gspo.clip_eps, gspo.clip_eps_high, gspo.num_minibatches, gspo.ppo_epochs, gspo.kl_coef) == \
+        ("sequence", 3e-4, 4e-4, 4, 1, 0.0)
+    assert (dapo.overlong_buffer, args_for("--algo", "dapo", "--overlong-buffer", "0").overlong_buffer) == (8 // 5, 0)
+    assert args_for("--algo", "grpo").overlong_buffer == 0
     assert grpo.resolve_config([]).task == "gsm8k"  # --demo defaults do not leak into later parses
 
 
@@ -233,6 +285,7 @@ def test_presets_and_explicit_overrides():
     (["--ref-reset-every", "5", "--kl-coef", "0"], "--kl-coef > 0"),
     (["--temperature", "0"], "temperature"),
     (["--num-minibatches", "1000"], "num-minibatches"),
+    (["--overlong-buffer", "100"], "overlong-buffer"),
 ])
 def test_bad_flags_exit_2_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
