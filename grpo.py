@@ -57,6 +57,8 @@ parser.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], help="per-toke
 parser.add_argument("--ref-reset-every", type=int, help="copy the policy into the reference every N steps (0: never)")
 parser.add_argument("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave groups whose rewards are all equal out of the loss")
 parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave replies that hit --max-new-tokens out of the loss")
+parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: draw more questions until every group of the step has differing rewards")
+parser.add_argument("--max-sampling-rounds", type=int, default=4, help="--dynamic-sampling: sampling rounds per step at most")
 parser.add_argument("--overlong-buffer", type=int, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens (0: off)")
 # the task and the start policy
 parser.add_argument("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
@@ -109,15 +111,15 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
     "reinforce": dict(advantage="mean", aggregation="token", ratio_level="token", ppo_epochs=1, num_minibatches=1, clip_eps=0.2,
                       clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
-                      drop_equal_groups=False, mask_truncated=False),
+                      drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
     "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", ppo_epochs=2, num_minibatches=1, clip_eps=0.2,
                  clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
-                 drop_equal_groups=False, mask_truncated=False),
+                 drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
 }
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # Dr. GRPO: no length or std bias
 PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher,
-                       drop_equal_groups=True, mask_truncated=True)  # dynamic sampling (as dropping), overlong filtering
+                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)  # overlong filtering
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
@@ -159,6 +161,7 @@ def resolve_config(argv=None):
         (not 0 <= args.overlong_buffer <= args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
         (args.ref_reset_every < 0, "--ref-reset-every must be >= 0"),
         (args.ref_reset_every > 0 and args.kl_coef == 0, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
+        (args.max_sampling_rounds < 1, "--max-sampling-rounds must be >= 1"),
         (args.ppo_epochs < 1 or args.num_minibatches < 1, "--ppo-epochs and --num-minibatches must be >= 1"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
@@ -455,6 +458,49 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config
 
 
 # -----------------------------------------------------------------------------
+# Sampling and scoring groups
+
+def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
+    """G replies to each of these questions, scored -> prompts (P token lists), samples (P * G rows),
+    rewards and penalty [P, G]: the task's reward, and DAPO's overlong penalty (0 when off)."""
+    G = args.num_samples
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    with autocast:
+        samples = generate(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_k, seed=seeds)
+    rewards = torch.tensor([task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
+                            for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
+    penalty = torch.zeros_like(rewards)
+    if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
+        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+    return dict(prompts=prompts, samples=samples, rewards=rewards, penalty=penalty)
+
+
+def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
+    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
+    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
+    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
+    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them; rounds)"""
+    wanted, G = len(first["prompts"]), args.num_samples
+    parts = [first]
+
+    def differing(part):  # [P] bool
+        total = part["rewards"] + part["penalty"]
+        return total.max(dim=1).values > total.min(dim=1).values
+
+    while len(parts) < args.max_sampling_rounds and sum(int(differing(p).sum()) for p in parts) < wanted:
+        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
+        indices = draw.sample(range(len(task)), min(wanted, len(task)))
+        parts.append(sample_groups(model, tokenizer, task, indices, [draw.getrandbits(62) for _ in indices], args, autocast))
+    kept = [(p, g) for want in (True, False) for p, part in enumerate(parts)
+            for g in range(len(part["prompts"])) if bool(differing(part)[g]) == want][:wanted]  # differing groups first
+    return dict(prompts=[parts[p]["prompts"][g] for p, g in kept],
+                samples={k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]},
+                rewards=torch.stack([parts[p]["rewards"][g] for p, g in kept]),
+                penalty=torch.stack([parts[p]["penalty"][g] for p, g in kept])), len(parts)
+
+
+# -----------------------------------------------------------------------------
 # One step of training: the batch, the frozen log-probs, the update
 
 def make_batch(prompts, samples, rewards, args):
@@ -679,24 +725,18 @@ def main(argv=None):
         if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
             ref_model.load_state_dict(model.state_dict())  # DeepSeekMath's iterative variant
 
-        # 1. Sample a group of G replies for each of this rank's questions.
+        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
         model.eval()
         indices = prompt_indices(step, rank, world_size, args, len(train_task))
-        conversations = [train_task[i] for i in indices]
-        prompts = [tokenizer.render_for_completion(c) for c in conversations]
         seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
-        with autocast:
-            samples = generate(model, tokenizer, prompts, args.num_samples, args.max_new_tokens, args.temperature,
-                               args.top_k, seed=seeds)
+        groups = sample_groups(model, tokenizer, train_task, indices, seeds, args, autocast)
+        rounds = 1
+        if args.dynamic_sampling:
+            groups, rounds = dynamic_sampling(groups, model, tokenizer, train_task, step, rank, args, autocast)
+        prompts, samples, rewards, penalty = groups["prompts"], groups["samples"], groups["rewards"], groups["penalty"]
         time_sample = time.time() - step_start
 
-        # 2. Score them; 3. build the batch with group-relative advantages; 4-5. update the policy.
-        G = args.num_samples
-        rewards = torch.tensor([train_task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
-                                for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
-        penalty = torch.zeros_like(rewards)
-        if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
-            penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
         batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards + penalty, args).items()}
         update_start = time.time()
         stats, time_logprobs = policy_update(model, optimizers, batch, args, autocast, ref_model)
@@ -705,12 +745,13 @@ def main(argv=None):
         # 6. Log, evaluate, save.
         counts = all_reduce(torch.tensor([len(prompts), rewards.numel(), rewards.sum(), (rewards + penalty).std(dim=1).sum(),
                                           batch["equal_groups"].sum(), samples["lengths"].sum().item(),
-                                          samples["truncated"].sum().item(), penalty.sum()],
+                                          samples["truncated"].sum().item(), penalty.sum(), rounds, rounds * len(prompts)],
                                          dtype=torch.float64, device=device)).tolist()
         groups, replies = counts[0], counts[1]
         metrics = {"step": step + 1, "reward": counts[2] / replies, "reward_group_std": counts[3] / groups,
                    "equal_group_frac": counts[4] / groups, **stats, "reply_len": counts[5] / replies,
-                   "truncated_frac": counts[6] / replies, "overlong_penalty": counts[7] / replies, "lr_multiplier": lr_multiplier,
+                   "truncated_frac": counts[6] / replies, "overlong_penalty": counts[7] / replies,
+                   "sampling_rounds": counts[8] / world_size, "questions_drawn": counts[9], "lr_multiplier": lr_multiplier,
                    "time_sample": time_sample, "time_logprobs": time_logprobs, "time_update": time_update,
                    "tokens_per_s": counts[5] / time_sample,
                    "peak_mem_mb": (torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda"

@@ -141,6 +141,45 @@ def test_infinite_terms_at_masked_positions_change_nothing(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
+    """sample_groups without a model: question i's group has differing rewards iff i % 3 == 0; its tokens are i."""
+    rewards = torch.tensor([[float(i % 3 == 0), 0.0] for i in indices])
+    return dict(prompts=[[i] for i in indices], samples={"tokens": torch.tensor(indices).repeat_interleave(2)[:, None]},
+                rewards=rewards, penalty=torch.zeros_like(rewards))
+
+
+def test_dynamic_sampling_fills_the_step_with_differing_groups(monkeypatch):
+    monkeypatch.setattr(grpo, "sample_groups", fake_groups)
+    args = args_for("--algo", "dapo", "--num-samples", "2", "--max-sampling-rounds", "8")
+    task = list(range(1000))
+    first = fake_groups(None, None, task, [0, 1, 2, 4], None, args, None)  # one group of four differs
+    groups, rounds = grpo.dynamic_sampling(first, None, None, task, 5, 0, args, None)
+    ids = [p[0] for p in groups["prompts"]]
+    assert len(ids) == 4 and ids[0] == 0 and all(i % 3 == 0 for i in ids) and 1 < rounds < 8
+    assert groups["samples"]["tokens"].flatten().tolist() == [i for i in ids for _ in range(2)]  # rows follow groups
+    assert (groups["rewards"][:, 0] != groups["rewards"][:, 1]).all()
+    again, _ = grpo.dynamic_sampling(first, None, None, task, 5, 0, args, None)
+    other_rank, _ = grpo.dynamic_sampling(first, None, None, task, 5, 1, args, None)
+    assert again["prompts"] == groups["prompts"] and other_rank["prompts"] != groups["prompts"]
+    # never enough: the rounds stop at the bound and equal groups fill the step up, differing ones first
+    args.max_sampling_rounds = 3
+    groups, rounds = grpo.dynamic_sampling(first, None, None, [1, 2, 4, 5, 7], 5, 0, args, None)
+    assert rounds == 3 and [p[0] for p in groups["prompts"]][0] == 0 and len(groups["prompts"]) == 4
+
+
+def test_dynamic_sampling_run_resumes_exactly(tmp_path, monkeypatch, run_killed_after_first_save):
+    monkeypatch.setattr(Sort, "reward", lambda self, conversation, reply: float(sum(reply.encode()) % 5 == 0))
+    flags = ["--algo", "dapo", "--num-steps", "2", "--save-every", "1"]
+    grpo.main(run_flags(tmp_path, "straight", *flags))
+    run_killed_after_first_save(run_flags(tmp_path, "resumed", *flags))
+    grpo.main(run_flags(tmp_path, "resumed", *flags, "--resume"))
+    for (k, a), b in zip(final_state(tmp_path, "straight", 2).items(), final_state(tmp_path, "resumed", 2).values()):
+        assert torch.equal(a, b), k
+    metrics = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
+    assert all(m["sampling_rounds"] > 1 and m["questions_drawn"] == 8 * m["sampling_rounds"] for m in metrics)
+    assert metrics[-1]["equal_group_frac"] < 0.5
+
+
 # ---------------------------------------------------------------------------- the terms, by hand
 
 def test_clipping_zeroes_exactly_the_gradients_it_should():
@@ -268,7 +307,8 @@ def test_presets_and_explicit_overrides():
     overridden = args_for("--algo", "grpo", "--kl-coef", "0", "--no-drop-equal-groups", "--lr", "0.1")
     assert overridden.kl_coef == 0 and overridden.ppo_epochs == 2 and overridden.lr == 0.1
     dapo = args_for("--algo", "dapo")
-    assert (dapo.clip_eps_high, dapo.drop_equal_groups, dapo.mask_truncated, dapo.aggregation) == (0.28, True, True, "token")
+    assert (dapo.clip_eps_high, dapo.drop_equal_groups, dapo.mask_truncated, dapo.aggregation, dapo.dynamic_sampling) == \
+        (0.28, True, True, "token", True)
     assert args_for("--algo", "dr_grpo").aggregation == "constant"
     gspo = args_for("--algo", "gspo")
     assert (gspo.ratio_level, gspo.clip_eps, gspo.clip_eps_high, gspo.num_minibatches, gspo.ppo_epochs, gspo.kl_coef) == \
