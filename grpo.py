@@ -814,9 +814,14 @@ def eval_score_key(config):
     return "eval_reward" if config["task"] == "sort" else "eval_strict"
 
 
+# Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
+NOT_CONFIGURATION = ("seed", "run_name", "runs_dir") + NOT_TRAJECTORY
+
+
 def compare_runs(run_dirs, plot_path):
-    """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed."""
-    runs = {}
+    """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed. Runs that
+    differ only in --seed are one configuration: one row of mean ± std over its seeds, one mean curve with a ±std band."""
+    configurations = {}  # the flags that make a configuration -> [(run_dir, config, metrics)], one per seed
     for run_dir in run_dirs:
         try:
             with open(os.path.join(run_dir, "config.json")) as f:
@@ -825,35 +830,53 @@ def compare_runs(run_dirs, plot_path):
                 metrics = [json.loads(line) for line in f]
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
-        runs[os.path.basename(os.path.normpath(run_dir))] = (config, metrics)
+        key = json.dumps({k: v for k, v in config.items() if k not in NOT_CONFIGURATION}, sort_keys=True)
+        configurations.setdefault(key, []).append((run_dir, config, metrics))
+    names = []
+    for seeds in configurations.values():  # a folder name, without the seed when there are several seeds
+        name = os.path.basename(os.path.normpath(seeds[0][0]))
+        names.append(re.sub(r"-seed\d+$", "", name) if len(seeds) > 1 else name)
+    clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add their parent
+    names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes else name
+             for name, seeds in zip(names, configurations.values())]
 
     def column(metrics, key):
         return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
 
-    def fmt(value):
-        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    header = ["run", "algo", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval", "pass@1", "pass@k",
-              "kl", "clip frac", "reply len", "wall s", "tok/s"]
-    table = [header]
-    for name, (config, metrics) in runs.items():
+    def summary(config, metrics):  # one run's numbers, in the order of the header below, from "steps" on
         train = [m for m in metrics if "reward" in m]
         evals = column(metrics, eval_score_key(config))
         pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
         last = lambda key: train[-1].get(key) if train else None  # noqa: E731
-        table.append([name, config["algo"], len(train),
-                      sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
-                      max((m["reward"] for m in train), default=None),
-                      evals[0][1] if evals else None, evals[-1][1] if evals else None,
-                      max((v for _, v in evals), default=None),
-                      metrics[-1].get("eval_pass@1") if pass_k else None,
-                      metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-                      last("kl"), sum(m["clip_frac"] for m in train) / max(1, len(train)), last("reply_len"),
-                      last("wall_time"), sum(m["tokens_per_s"] for m in train) / max(1, len(train))])
+        return [len(train), sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
+                max((m["reward"] for m in train), default=None),
+                evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
+                metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
+                last("kl"), sum(m["clip_frac"] for m in train) / max(1, len(train)), last("reply_len"),
+                last("wall_time"), sum(m["tokens_per_s"] for m in train) / max(1, len(train))]
+
+    def across_seeds(values):  # one value, or (mean, std) over the seeds that have one
+        values = [v for v in values if v is not None]
+        if len(values) <= 1 or (len(set(values)) == 1 and isinstance(values[0], int)):  # e.g. every seed ran N steps
+            return values[0] if values else None
+        return (sum(values) / len(values), torch.tensor(values, dtype=torch.float64).std().item())
+
+    def fmt(value):
+        if isinstance(value, tuple):
+            return f"{value[0]:.3f}±{value[1]:.3f}"
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    header = ["run", "algo", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval", "pass@1",
+              "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
+    table = [header]
+    for name, seeds in zip(names, configurations.values()):
+        per_seed = [summary(config, metrics) for _, config, metrics in seeds]
+        table.append([name, seeds[0][1]["algo"], len(seeds)] + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
-    print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K accuracy; pass@k from --pass-k samples")
+    print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K accuracy; "
+          "pass@k from --pass-k samples; a±b = mean ± std over the seeds")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -864,10 +887,21 @@ def compare_runs(run_dirs, plot_path):
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"), ("reply_len", "reply length")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, title) in zip(axes.flat, panels):
-        for i, (name, (config, metrics)) in enumerate(runs.items()):  # one colour per run in every panel
-            points = column(metrics, key or eval_score_key(config))
-            if points:
-                ax.plot(*zip(*points), label=name, color=f"C{i}", marker="o" if key is None else None, markersize=3)
+        for i, (name, seeds) in enumerate(zip(names, configurations.values())):  # one colour per configuration
+            by_step = {}
+            for _, config, metrics in seeds:
+                for step, value in column(metrics, key or eval_score_key(config)):
+                    by_step.setdefault(step, []).append(value)
+            steps = [s for s in sorted(by_step) if len(by_step[s]) == len(seeds)]  # where every seed has a value
+            if not steps:
+                continue
+            values = torch.tensor([by_step[s] for s in steps], dtype=torch.float64)  # [steps, seeds]
+            mean = values.mean(dim=1)
+            label = name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)"
+            ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None else None, markersize=3)
+            if len(seeds) > 1:
+                std = values.std(dim=1)
+                ax.fill_between(steps, mean - std, mean + std, color=f"C{i}", alpha=0.2, linewidth=0)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0, 0].legend()

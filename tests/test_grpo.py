@@ -487,10 +487,37 @@ def test_eval_only_and_compare(tmp_path, capsys):
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert [row[:3] for row in table[1:]] == [["a", "reinforce", 2], ["b", "grpo", 2]]
+    assert [row[:4] for row in table[1:]] == [["a", "reinforce", 1, 2], ["b", "grpo", 1, 2]]
     assert "reinforce" in out and "grpo" in out
     with pytest.raises(SystemExit, match="not a finished run"):
         grpo.main(["--compare", str(tmp_path / "missing")])
+
+
+def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
+    for seed in ("0", "1"):
+        grpo.main(run_flags(tmp_path, f"cfg-seed{seed}", "--num-steps", "2", "--seed", seed, "--eval-every", "1",
+                            "--eval-examples", "8"))
+    other = tmp_path / "other"
+    grpo.main(run_flags(other, "cfg-seed0", "--num-steps", "2", "--algo", "grpo"))  # same folder name, another config
+    grpo.main(run_flags(tmp_path, "solo", "--num-steps", "2", "--algo", "grpo"))  # the same config as other/cfg-seed0
+    capsys.readouterr()
+    table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1"), str(other / "cfg-seed0"),
+                       "--runs-dir", str(tmp_path)])
+    rows = {row[0]: row for row in table[1:]}
+    assert set(rows) == {"cfg", "cfg-seed0"} and rows["cfg"][2] == 2 and rows["cfg-seed0"][2] == 1
+    header = table[0]
+    rewards = [json.loads(line)["reward"] for name in ("cfg-seed0", "cfg-seed1")
+               for line in open(tmp_path / name / "metrics.jsonl") if '"reward"' in line]
+    mean, std = rows["cfg"][header.index("reward(last10)")]
+    assert mean == pytest.approx((sum(rewards[:2]) / 2 + sum(rewards[2:]) / 2) / 2)
+    assert std == pytest.approx(abs(sum(rewards[:2]) - sum(rewards[2:])) / 2 / 2 ** 0.5)
+    assert "±" in capsys.readouterr().out
+    # runs that share a folder name but not a configuration keep their parent folder in the name
+    table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(other / "cfg-seed0"), "--runs-dir", str(tmp_path)])
+    assert sorted(row[0] for row in table[1:]) == sorted([os.path.join(tmp_path.name, "cfg-seed0"), "other/cfg-seed0"])
+    # and a seed of a configuration under another folder name joins it
+    table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
+    assert [row[2] for row in table[1:]] == [2]
 
 
 def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):
