@@ -38,6 +38,20 @@ SPECIAL_TOKENS = [
 ]
 
 
+class _EncodingState:
+    """Stands in for tiktoken's Encoding while a tokenizer.pkl is read: it keeps the pickled state, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _TokenizerUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingState
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no tokenizer needs (refused: unpickling it could run code)")
+
+
 class Tokenizer:
     """A tiktoken Encoding plus nanochat's chat format."""
 
@@ -53,11 +67,24 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path):
-        """nanochat's tokenizer.pkl is a pickled tiktoken.Encoding."""
+        """nanochat's tokenizer.pkl is a pickled tiktoken.Encoding. It is read without running anything it names:
+        the only class it may mention is tiktoken's Encoding, whose state (a name, a split pattern and two
+        vocabularies) is checked and handed to tiktoken here, never through the pickle's own machinery."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer at {path} (nanochat writes it to <base>/tokenizer/tokenizer.pkl)")
-        with open(path, "rb") as f:
-            return cls(pickle.load(f))
+        try:
+            with open(path, "rb") as f:
+                encoding = _TokenizerUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+            raise ValueError(f"{path} is not a nanochat tokenizer.pkl ({type(e).__name__}: {e}); copy it again from "
+                             "<nanochat base>/tokenizer/") from None
+        state = getattr(encoding, "state", None)
+        if not (isinstance(state, dict) and set(state) == {"name", "pat_str", "mergeable_ranks", "special_tokens"}
+                and isinstance(state["name"], str) and isinstance(state["pat_str"], str)
+                and all(isinstance(k, bytes) and isinstance(v, int) for k, v in state["mergeable_ranks"].items())
+                and all(isinstance(k, str) and isinstance(v, int) for k, v in state["special_tokens"].items())):
+            raise ValueError(f"{path} does not hold a tiktoken encoding of nanochat's kind (name, pattern and vocabularies)")
+        return cls(tiktoken.Encoding(**state))
 
     @classmethod
     def byte_level(cls):

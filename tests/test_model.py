@@ -149,6 +149,37 @@ def test_tokenizer_renders_the_chat_format_and_pickles(tmp_path):
     assert TOK.encode("<|bos|>") == list(b"<|bos|>")  # special tokens in text stay text
 
 
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_tokenizer_pkl_is_read_without_running_anything_it_names(tmp_path):
+    import pickle
+    marker = str(tmp_path / "ran")
+    good = pickle.dumps(TOK.enc)
+    cases = {
+        "hostile.pkl": pickle.dumps(RunsCode(marker)),
+        "other_object.pkl": pickle.dumps({"name": "x"}),
+        "truncated.pkl": good[:len(good) // 2],
+        "empty.pkl": b"",
+        "not_a_pickle.pkl": b"tokenizer",
+        # an Encoding pickled by name: tiktoken would fetch that encoding (a download); a data file may not ask for it
+        "by_name.pkl": b"ctiktoken.core\nEncoding\n)\x81Vcl100k_base\nb.",
+        "bad_vocab.pkl": good.replace(b"mergeable_ranks", b"mergeable_ranKs"),
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=name):
+            Tokenizer.from_file(str(tmp_path / name))
+    assert not os.path.exists(marker)
+    (tmp_path / "good.pkl").write_bytes(good)
+    assert Tokenizer.from_file(str(tmp_path / "good.pkl")).encode("2+3=5") == TOK.encode("2+3=5")
+
+
 # ---------------------------------------------------------------------------- sampler
 
 class ScriptedModel(torch.nn.Module):
