@@ -32,7 +32,9 @@ OFFICIAL_URL = "https://raw.githubusercontent.com/openai/grade-school-math/maste
 # Grading
 
 STRICT_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-LENIENT_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")  # a trailing "." or "," is not part of the number
+# A trailing "." or "," is not part of the number. The "$" and the space after it are one optional group: as
+# \s*\$?\s* the two runs of spaces could split a long run in every way, quadratic time on a reply that has one.
+LENIENT_ANSWER = re.compile(r"####\s*(?:\$\s*)?(-?[0-9.,]*[0-9])")
 
 
 def extract_answer(text):

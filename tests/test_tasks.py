@@ -1,13 +1,15 @@
 import functools
 import http.server
 import os
+import random
+import re
 import threading
 import time
 
 import pytest
 
 from model import Tokenizer
-from tasks.gsm8k import GSM8K, answer_to_parts, extract_answer, find_split, is_correct
+from tasks.gsm8k import LENIENT_ANSWER, GSM8K, answer_to_parts, extract_answer, find_split, is_correct
 from tasks.sort import Sort
 
 TOK = Tokenizer.byte_level()
@@ -176,3 +178,16 @@ def test_sort_is_seeded_and_test_split_is_fixed():
     assert len(test) == 64 and list(test) == list(Sort("test", num_test=64))
     assert test[0] != Sort("train")[0]
     assert len(Sort("train", length=3)[7]["messages"][0]["content"]) == 3
+
+
+def test_lenient_grader_is_linear_with_the_same_verdicts():
+    quadratic = re.compile(r"####\s*\$?\s*(-?[0-9.,]*[0-9])")  # the pattern before, same language
+    rng = random.Random(0)
+    pieces = ["#", "####", " ", "\n", "$", "-", "1", "8", ".", ",", "x"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        before, now = quadratic.search(text), LENIENT_ANSWER.search(text)
+        assert (before and before.group(1)) == (now and now.group(1)), text
+    start = time.time()
+    assert not is_correct("#### " + "\n" * 32000 + "x", "#### 18", lenient=True)
+    assert time.time() - start < 0.5  # the quadratic pattern took about 27 s
