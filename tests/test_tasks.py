@@ -9,7 +9,7 @@ import time
 import pytest
 
 from model import Tokenizer
-from tasks.gsm8k import LENIENT_ANSWER, GSM8K, answer_to_parts, extract_answer, find_split, is_correct
+from tasks.gsm8k import GSM8K, LENIENT_ANSWER, answer_to_parts, extract_answer, find_split, is_correct
 from tasks.sort import Sort
 
 TOK = Tokenizer.byte_level()
