@@ -326,11 +326,29 @@ def test_presets_and_explicit_overrides():
     (["--temperature", "0"], "temperature"),
     (["--num-minibatches", "1000"], "num-minibatches"),
     (["--overlong-buffer", "100"], "overlong-buffer"),
+    (["--top-k", "1"], "--top-k 1"),
+    (["--init-lr-frac", "-1"], "learning rates"),
+    (["--lr", "0"], "learning rates"),
+    (["--grad-clip", "-1"], "--grad-clip"),
+    (["--n-head", "0"], "--n-head 0"),
+    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30"),
+    (["--depth", "-1"], "--depth -1"),
+    (["--n-embd", "12", "--n-head", "4"], "even head size"),
+    (["--run-name", "../../x"], "plain folder name"),
+    (["--run-name", "/tmp/x"], "plain folder name"),
+    (["--run-name", ".."], "plain folder name"),
 ])
 def test_bad_flags_exit_2_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo.resolve_config(["--demo", *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_requested_without_cuda_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.resolve_config(["--demo", "--device", "cuda"])
+    assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
 def test_prompts_not_divisible_by_ranks(monkeypatch, capsys):
