@@ -19,6 +19,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
 import argparse
 import copy
 import functools
+import glob
 import importlib.util
 import json
 import math
@@ -180,6 +181,8 @@ def resolve_config(argv=None):
         (args.top_k < 0 or args.max_new_tokens < 1 or args.device_batch_size < 1 or args.num_steps < 1,
          "--top-k must be >= 0; --max-new-tokens, --device-batch-size and --num-steps >= 1"),
         (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
+        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
+         "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
         (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
          "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
         (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
@@ -694,13 +697,13 @@ def main(argv=None):
         log(f"resumed from step {start_step} of {checkpoint_dir}")
     if master:  # config.json is rewritten on resume too: its evaluation and saving flags may have changed
         os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)
+        for leftover in glob.glob(os.path.join(glob.escape(run_dir), "**", ".tmp_*"), recursive=True):
+            os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
         atomic_save(config, os.path.join(run_dir, "config.json"))
-        with open(os.path.join(run_dir, "tokenizer", "tokenizer.pkl"), "wb") as f:  # run_dir is a nanochat base dir
-            pickle.dump(tokenizer.enc, f)
+        atomic_save(pickle.dumps(tokenizer.enc), os.path.join(run_dir, "tokenizer", "tokenizer.pkl"))  # a nanochat base dir
         # a resumed run drops what was logged after its checkpoint: those steps run again
         kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step] if args.resume else []
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        atomic_save("".join(kept).encode(), metrics_path)
     wandb_run = None
     if args.wandb and master:
         import wandb

@@ -556,12 +556,15 @@ def model_from_state(model_config, state, generation=None, window_pattern=None, 
 
 
 def atomic_save(obj, path):
-    """Write to a temporary file in the same folder, then rename: a crash never leaves a half-written file."""
+    """bytes as they are, a .json path as JSON, anything else with torch.save. Written to a temporary file in
+    the same folder, then renamed over the path: a crash never leaves a half-written file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp_")
     try:
         with os.fdopen(fd, "wb") as f:
-            if path.endswith(".json"):
+            if isinstance(obj, bytes):
+                f.write(obj)
+            elif path.endswith(".json"):
                 f.write(json.dumps(obj, indent=2).encode())
             else:
                 torch.save(obj, f)

@@ -327,6 +327,8 @@ def test_presets_and_explicit_overrides():
     (["--num-minibatches", "1000"], "num-minibatches"),
     (["--overlong-buffer", "100"], "overlong-buffer"),
     (["--top-k", "1"], "--top-k 1"),
+    (["--eval-examples", "0"], "measures nothing"),
+    (["--final-eval-examples", "0"], "measures nothing"),
     (["--init-lr-frac", "-1"], "learning rates"),
     (["--lr", "0"], "learning rates"),
     (["--grad-clip", "-1"], "--grad-clip"),
@@ -374,7 +376,10 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_sav
     flags = ["--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "muon"]
     grpo.main(run_flags(tmp_path, "straight", *flags))
     run_killed_after_first_save(run_flags(tmp_path, "resumed", *flags))
+    half_written = tmp_path / "resumed" / "chatrl_checkpoints" / "d2" / ".tmp_killed"  # what a kill mid-save leaves
+    half_written.write_bytes(b"half a checkpoint")
     grpo.main(run_flags(tmp_path, "resumed", *flags, "--resume"))
+    assert not half_written.exists()
     for (k, a), b in zip(final_state(tmp_path, "straight", 4).items(), final_state(tmp_path, "resumed", 4).values()):
         assert torch.equal(a, b), k
     metrics = [[json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("straight", "resumed")]
