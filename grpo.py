@@ -573,9 +573,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     time_logprobs = time.time() - start
 
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "tokens", "kl", "neg_logprob")}
+    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "clip_tokens", "tokens", "kl",
+                                      "neg_logprob")}
     ratio_min, ratio_max = zero + float("inf"), zero - float("inf")
-    grad_norms, skipped, empty = [], 0, 0
+    grad_norms, skipped, empty, stepped = [], 0, 0, False
     model.train()
     for epoch in range(args.ppo_epochs):
         for minibatch in minibatches:
@@ -612,7 +613,9 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 with torch.no_grad():
                     sums["loss"] += loss
                     sums["loss_policy"] += loss_policy
-                    sums["clipped"] += (clipped * mask).sum()
+                    if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
+                        sums["clipped"] += (clipped * mask).sum()
+                        sums["clip_tokens"] += mask.sum()
                     sums["tokens"] += mask.sum()
                     sums["neg_logprob"] -= (logprobs * mask).sum()
                     ratio = torch.exp(log_ratio).expand_as(mask).masked_fill(mask == 0, 1.0)
@@ -628,6 +631,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
             for opt in optimizers:
                 opt.step()
             model.zero_grad(set_to_none=True)
+            stepped = True
 
     sums = dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
     passes = args.ppo_epochs * args.num_minibatches
@@ -637,7 +641,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
         "loss_policy": (sums["loss_policy"] / passes).item(),
         "loss_kl": (sums["loss_kl"] / passes).item() if ref_model is not None else None,
         "kl": (sums["kl"] / tokens).item() if ref_model is not None else None,
-        "clip_frac": (sums["clipped"] / tokens).item(),
+        "clip_frac": (sums["clipped"] / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None,
         "ratio_min": all_reduce(ratio_min, dist.ReduceOp.MIN).item(),
         "ratio_max": all_reduce(ratio_max, dist.ReduceOp.MAX).item(),
         "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
@@ -775,7 +779,8 @@ def main(argv=None):
         log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups {metrics['equal_group_frac']:.2f} "
             f"| len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
-            + f" | clip {metrics['clip_frac']:.3f} | {time.time() - step_start:.2f}s (sample {time_sample:.2f}, "
+            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
+            + f" | {time.time() - step_start:.2f}s (sample {time_sample:.2f}, "
               f"logprobs {time_logprobs:.2f}, update {time_update:.2f}) | {metrics['tokens_per_s']:.0f} tok/s")
         bad_steps = bad_steps + 1 if stats["skipped_updates"] else 0
         if stats["skipped_updates"]:
@@ -862,12 +867,17 @@ def compare_runs(run_dirs, plot_path):
         evals = column(metrics, eval_score_key(config))
         pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
         last = lambda key: train[-1].get(key) if train else None  # noqa: E731
+
+        def mean_of(key):  # over the steps that logged it
+            values = [m[key] for m in train if m.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
         return [len(train), sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
                 max((m["reward"] for m in train), default=None),
                 evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
                 metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-                last("kl"), sum(m["clip_frac"] for m in train) / max(1, len(train)), last("reply_len"),
-                last("wall_time"), sum(m["tokens_per_s"] for m in train) / max(1, len(train))]
+                last("kl"), mean_of("clip_frac"), last("reply_len"),
+                last("wall_time"), mean_of("tokens_per_s")]
 
     def across_seeds(values):  # one value, or (mean, std) over the seeds that have one
         values = [v for v in values if v is not None]

@@ -68,7 +68,7 @@ def test_grpo_path_with_one_epoch_no_kl_mean_advantage_is_reinforce():
     for a, b, c in zip(g_reinforce, g_grpo, g_hand):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
-    assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] == 0.0
+    assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] is None  # one update: no reuse
 
 
 def test_ratio_is_exactly_one_on_the_first_update_of_every_schedule():
@@ -84,6 +84,25 @@ def test_ratio_is_exactly_one_on_the_first_update_of_every_schedule():
     model, batch = sampled_batch(args)
     stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     assert stats["ratio_max"] > 1.0 and stats["ratio_min"] < 1.0 and stats["clip_frac"] > 0
+
+
+def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
+    # With two epochs the first pass has rho = 1 exactly; clip_frac is the second pass's share, not half of it.
+    original, clipped_per_pass = grpo.clipped_policy_loss, []
+
+    def recording(*a):
+        loss, clipped = original(*a)
+        clipped_per_pass.append(clipped.detach())
+        return loss, clipped
+
+    monkeypatch.setattr(grpo, "clipped_policy_loss", recording)
+    args = args_for("--algo", "grpo", "--kl-coef", "0", "--lr", "0.05", "--clip-eps", "0.01")
+    model, batch = sampled_batch(args)
+    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    mask = batch["loss_mask"]
+    assert len(clipped_per_pass) == 2 and not clipped_per_pass[0].any()
+    expected = ((clipped_per_pass[1] * mask).sum() / mask.sum()).item()
+    assert expected > 0 and stats["clip_frac"] == pytest.approx(expected)
 
 
 def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
