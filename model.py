@@ -163,6 +163,7 @@ class Generation:
     """How one span of nanochat's history computes its forward pass. Everything not listed here (rotary on the
     two halves of each head, QK-norm, ReLU^2, untied head, weightless RMSNorm, no biases) is common to all."""
     written: str  # the dates between which nanochat's master wrote checkpoints like this
+    padded_vocab: bool = True  # wte and lm_head rows rounded up to a multiple of 64 (for speed; extra logits dropped)
     softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
     rotary_base: float = 10000.0
     rotary_bf16: bool = True  # cos/sin tables rounded to bfloat16 even in a float32 forward (until 2026-03-04)
@@ -181,8 +182,8 @@ _ve12_qk115 = replace(_value_embeds, written="2026-03-09 .. 2026-03-14", rotary_
                       short_window=lambda n: math.ceil(n / 3 / 128) * 128, ve_gate_channels=12, ve_gate_scale=3.0,
                       qk_scale=1.15)
 GENERATIONS = {  # oldest first; the names are those of the test fixtures
-    "classic": Generation("2025-10-13 .. 2025-12-23"),
-    "padded-vocab": Generation("2025-12-23 .. 2026-01-11"),  # classic math; wte and lm_head padded to 64k rows
+    "classic": Generation("2025-10-13 .. 2025-12-23", padded_vocab=False),
+    "padded-vocab": Generation("2025-12-23 .. 2026-01-11"),
     "lambdas-windows": _lambdas_windows,
     "value-embeds": _value_embeds,
     "softcap20": replace(_value_embeds, written="2026-03-02 .. 2026-03-09", softcap=20.0, rotary_bf16=False),
@@ -213,7 +214,6 @@ def rotary_tables(positions, head_dim, base, round_to_bf16):
 
 def rotary(x, cos, sin):
     """x: [B, T, H, hd]. Rotate the two halves of each head by position-dependent angles."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
 
@@ -313,9 +313,7 @@ class GPT(nn.Module):
                              "and n_kv_head must divide n_head")
         self.config, self.generation_name = config, generation
         gen = self.generation = GENERATIONS[generation]
-        # The embedding and head may have more rows than the vocabulary (nanochat pads them to a multiple of 64
-        # for speed since 2025-12-23); the extra logits are dropped.
-        V = padded_vocab_size or (config.vocab_size if generation == "classic" else (config.vocab_size + 63) // 64 * 64)
+        V = padded_vocab_size or ((config.vocab_size + 63) // 64 * 64 if gen.padded_vocab else config.vocab_size)
         L, kv_dim = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
         # Per-layer attention reach: `L` layers see sequence_len keys back, `S` layers fewer; the last layer is always L.
         if gen.short_window:
@@ -394,6 +392,9 @@ class GPT(nn.Module):
         gen = self.generation
         positions, masks = self.attention_masks(T, cache, idx.device)
         cos_sin = rotary_tables(positions, self.config.n_embd // self.config.n_head, gen.rotary_base, gen.rotary_bf16)
+        device_type = idx.device.type  # cast once to the dtype q and k will have, not twice in every layer
+        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+        cos_sin = tuple(table.to(compute_dtype) for table in cos_sin)
         x = norm(self.transformer.wte(idx))
         if gen.smear_backout:
             # Smear: x[t] += smear_lambda * sigmoid(gate(x[t])) * x[t-1] from each row's position 1 on, so the first
