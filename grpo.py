@@ -18,6 +18,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
 """
 import argparse
 import copy
+import errno
+import fcntl
 import functools
 import glob
 import importlib.util
@@ -30,13 +32,13 @@ import re
 import resource
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
-                   load_checkpoint, master_weights, nanochat_base_dir, save_checkpoint)
+                   load_checkpoint, load_tensors, master_weights, nanochat_base_dir, save_checkpoint)
 from tasks.gsm8k import GSM8K, is_correct
 from tasks.sort import Sort
 
@@ -132,6 +134,10 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
             num_steps=1000, eval_every=100, eval_examples=256, pass_k=0, save_every=250, device="cpu")
 
 
+# Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
+MIN_TEMPERATURE = 0.1
+
+
 def resolve_config(argv=None):
     """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -166,7 +172,12 @@ def resolve_config(argv=None):
         (args.ppo_epochs < 1 or args.num_minibatches < 1, "--ppo-epochs and --num-minibatches must be >= 1"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
-        (args.temperature <= 0, "--temperature must be > 0: the policy gradient needs a stochastic policy"),
+        (not all(map(math.isfinite, (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac,
+                                     args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high, args.kl_coef,
+                                     args.temperature))), "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), "
+                                                          "--kl-coef and --temperature must be finite numbers"),
+        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a group "
+                                             f"would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
         (min(args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac) must be > 0"),
@@ -178,8 +189,11 @@ def resolve_config(argv=None):
          f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
         (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
-        (args.top_k < 0 or args.max_new_tokens < 1 or args.device_batch_size < 1 or args.num_steps < 1,
-         "--top-k must be >= 0; --max-new-tokens, --device-batch-size and --num-steps >= 1"),
+        (args.top_k < 0 or min(args.max_new_tokens, args.device_batch_size, args.num_steps, args.prompts_per_step,
+                               args.sort_length, args.max_bad_steps) < 1,
+         "--top-k must be >= 0; --max-new-tokens, --device-batch-size, --num-steps, --prompts-per-step, --sort-length "
+         "and --max-bad-steps >= 1"),
+        (args.init_step is not None and args.init_step < 0, "--init-step must be >= 0"),
         (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
          "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
@@ -434,7 +448,7 @@ def load_policy(args, log=print):
         model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
                                    window_pattern=args.window_pattern, log=log)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
 
@@ -577,6 +591,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                                       "neg_logprob")}
     ratio_min, ratio_max = zero + float("inf"), zero - float("inf")
     grad_norms, skipped, empty, stepped = [], 0, 0, False
+    weights_finite = torch.ones((), dtype=torch.bool, device=device)
     model.train()
     for epoch in range(args.ppo_epochs):
         for minibatch in minibatches:
@@ -632,6 +647,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 opt.step()
             model.zero_grad(set_to_none=True)
             stepped = True
+            # A finite loss can still give non-finite weights (an overflowing update). Checked on the device after
+            # every step and read once per batch: NaN and inf survive every later update, so none slips through.
+            params = [p.detach() for p in model.parameters()]
+            weights_finite &= torch.stack([torch.linalg.vector_norm(p, float("inf")) for p in params]).isfinite().all()
 
     sums = dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
     passes = args.ppo_epochs * args.num_minibatches
@@ -648,21 +667,77 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
         "skipped_updates": skipped,
         "empty_updates": empty,
+        "weights_finite": bool(all_reduce(weights_finite.int(), dist.ReduceOp.MIN).item()),
     }, time_logprobs
 
 
 # -----------------------------------------------------------------------------
 # Training
 
+# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
 def main(argv=None):
     args = resolve_config(argv)
     if args.compare:
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
     run_dir = os.path.join(args.runs_dir, args.run_name)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        with run_lock(run_dir) if rank == 0 else nullcontext():
+            return train(args, run_dir, rank)
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        stop(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
+             "free disk space or make the folder writable")
+    except KeyboardInterrupt:
+        stop(run_dir, "interrupted", "")
+
+
+@contextmanager
+def run_lock(run_dir):
+    """One process trains in a run directory at a time: two copies of a command would interleave their writes.
+    The kernel drops a flock when its process dies, so the lock of a killed run never blocks the next start."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        lock = open(os.path.join(run_dir, ".lock"), "a")
+    except OSError as e:
+        sys.exit(f"error: cannot create the run directory {run_dir} ({e.strerror}): pass a writable --runs-dir")
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"error: another grpo.py process is running in {run_dir}: wait for it to end, or pass another --run-name")
+        yield
+
+
+def complete_steps(checkpoint_dir):
+    """The steps whose model, meta and training state files were all written: the ones a run can resume from."""
+    return [s for s in checkpoint_steps(checkpoint_dir) if all(
+        os.path.isfile(os.path.join(checkpoint_dir, f"{kind}_{s:06d}.{ext}"))
+        for kind, ext in (("meta", "json"), ("state", "pt")))]
+
+
+def stop(run_dir, problem, remedy):
+    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it."""
+    found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
+                   for s in complete_steps(d))
+    then = f"{remedy}, then " if remedy else ""
+    if found:
+        step, checkpoint_dir = found[-1]
+        sys.exit(f"error: {problem}. The run's newest checkpoint, step {step} in {checkpoint_dir}, is complete and "
+                 f"unchanged: {then}continue from it with the same command and --resume")
+    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it again with another --run-name "
+             f"(or delete {run_dir})")
+
+
+def train(args, run_dir, rank):
     if not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # every rank, before they meet
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     # --- distributed setup: torchrun sets these; a plain `python grpo.py` is rank 0 of 1
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -697,17 +772,22 @@ def main(argv=None):
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     start_step = 0
     if args.resume:
-        start_step = resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device)
+        start_step = resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device, log)
         log(f"resumed from step {start_step} of {checkpoint_dir}")
+    kept, wall_before = [], 0.0  # a resumed run drops what was logged after its checkpoint: those steps run again
+    if master and args.resume and os.path.isfile(metrics_path):
+        try:
+            kept = [m for m in read_metrics(metrics_path, log) if m["step"] <= start_step]
+        except ValueError as e:
+            sys.exit(f"error: --resume: {e}")
+        wall_before = max((m["wall_time"] for m in kept if "wall_time" in m), default=0.0)  # the earlier segments' time
     if master:  # config.json is rewritten on resume too: its evaluation and saving flags may have changed
         os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)
         for leftover in glob.glob(os.path.join(glob.escape(run_dir), "**", ".tmp_*"), recursive=True):
             os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
         atomic_save(config, os.path.join(run_dir, "config.json"))
         atomic_save(pickle.dumps(tokenizer.enc), os.path.join(run_dir, "tokenizer", "tokenizer.pkl"))  # a nanochat base dir
-        # a resumed run drops what was logged after its checkpoint: those steps run again
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step] if args.resume else []
-        atomic_save("".join(kept).encode(), metrics_path)
+        atomic_save("".join(json.dumps(m) + "\n" for m in kept).encode(), metrics_path)
     wandb_run = None
     if args.wandb and master:
         import wandb
@@ -733,7 +813,7 @@ def main(argv=None):
         return result
     if start_step == 0 and args.eval_every:
         run_eval(0, args.eval_examples)
-    bad_steps, run_start = 0, time.time()
+    bad_steps, run_start = 0, time.time() - wall_before
     for step in range(start_step, args.num_steps):
         step_start = time.time()
         lr_multiplier = 1.0 - step / args.num_steps  # linear decay to zero, as nanochat
@@ -758,6 +838,7 @@ def main(argv=None):
         batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards + penalty, args).items()}
         update_start = time.time()
         stats, time_logprobs = policy_update(model, optimizers, batch, args, autocast, ref_model)
+        weights_finite = stats.pop("weights_finite")
         time_update = time.time() - update_start - time_logprobs
 
         # 6. Log, evaluate, save.
@@ -785,9 +866,10 @@ def main(argv=None):
         bad_steps = bad_steps + 1 if stats["skipped_updates"] else 0
         if stats["skipped_updates"]:
             log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
-        if bad_steps >= args.max_bad_steps:
-            sys.exit(f"error: {bad_steps} steps in a row had a non-finite loss; stopped without saving. The last good "
-                     f"checkpoint in {checkpoint_dir} is kept: lower the learning rate or set --grad-clip, then --resume")
+        if not weights_finite or bad_steps >= args.max_bad_steps:
+            stop(run_dir, f"step {step + 1}: " + ("the update made weights non-finite (NaN or inf)" if not weights_finite
+                                                   else f"{bad_steps} steps in a row had a non-finite loss")
+                 + "; stopped without saving", "lower the learning rates or set --grad-clip (a resumed run may change those)")
         last = step + 1 == args.num_steps
         if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
             run_eval(step + 1, args.final_eval_examples if last else args.eval_examples)
@@ -803,27 +885,83 @@ def main(argv=None):
 # Flags that a resumed run may change: they decide what is evaluated and saved, never the weights' trajectory
 # (evaluation samples with its own seeds, so it does not move the training RNG).
 NOT_TRAJECTORY = ("eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every", "max_bad_steps")
+# ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
+STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
 
 
-def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device):
+def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device, log):
     """Load the run's latest complete checkpoint into model, reference and optimizers -> its step."""
-    saved = [s for s in checkpoint_steps(checkpoint_dir) if os.path.isfile(os.path.join(checkpoint_dir, f"state_{s:06d}.pt"))
-             and os.path.isfile(os.path.join(checkpoint_dir, f"meta_{s:06d}.json"))]
+    saved = complete_steps(checkpoint_dir)
     if not saved:
         sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
-    with open(os.path.join(run_dir, "config.json")) as f:
-        differing = sorted(k for k, v in json.load(f).items() if config.get(k) != v and k not in NOT_TRAJECTORY)
-    if differing:
-        sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(differing)}): pass the original flags")
+    config_path = os.path.join(run_dir, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            run_config = json.load(f)
+        if not isinstance(run_config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start a "
+                 f"new run from the checkpoint with --init {checkpoint_dir}")
+    differing = sorted(k for k in set(run_config) | set(config) if k != "resumed_with"
+                       and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
+    refused = [k for k in differing if k not in STEP_SIZES]
+    if refused:
+        sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): pass the original flags")
     step = saved[-1]
-    state = torch.load(os.path.join(checkpoint_dir, f"state_{step:06d}.pt"), map_location=device, weights_only=True)
-    model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
-    model.load_state_dict(state.get("master_weights", {}), strict=False)  # what the file's bf16 embeddings rounded away
-    for opt, opt_state in zip(optimizers, state["optimizers"]):
-        opt.load_state_dict(opt_state)
-    if ref_model is not None:
-        ref_model.load_state_dict(state["ref_model"])
+    changes = {k: [run_config.get(k), config[k]] for k in differing}
+    history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
+    if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
+        config["resumed_with"] = history
+    if changes:
+        log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+            + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
+    files = ", ".join(os.path.join(checkpoint_dir, f"{kind}_{step:06d}.{ext}") for kind, ext in
+                      (("model", "pt"), ("meta", "json"), ("state", "pt")))
+    earlier = f"delete its files ({files}) to resume from step {saved[-2]}" if len(saved) > 1 else "it is the only one"
+    state_path = os.path.join(checkpoint_dir, f"state_{step:06d}.pt")
+    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in optimizers]
+    try:
+        model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
+        state = load_tensors(state_path, device)
+        model.load_state_dict(state["master_weights"], strict=False)  # what the file's bf16 embeddings rounded away
+        if len(state["optimizers"]) != len(optimizers):
+            raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has {len(optimizers)}")
+        for opt, opt_state in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        if ref_model is not None:
+            ref_model.load_state_dict(state["ref_model"])
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: --resume: the checkpoint of step {step} is damaged: {e}; {earlier}")
+    except (KeyError, TypeError, RuntimeError) as e:  # a readable file that is not this run's training state
+        sys.exit(f"error: --resume: {state_path} is not this run's training state ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:160]}); {earlier}")
+    for opt, lrs in zip(optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
+        for group, lr in zip(opt.param_groups, lrs):
+            group["initial_lr"] = lr
     return step
+
+
+def read_metrics(path, log=print):
+    """metrics.jsonl -> list of dicts. A last line cut short (a kill while appending) is dropped with a note;
+    damage anywhere else is an error that names the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    metrics = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no step number")
+        except ValueError as e:
+            if n == len(lines):  # no newline after it: the write was cut off
+                log(f"note: {path}: the last line is incomplete (a run killed while logging?); ignored")
+                break
+            raise ValueError(f"{path} line {n} is damaged ({e}): delete that line, or the file") from None
+        metrics.append(row)
+    return metrics
 
 
 # -----------------------------------------------------------------------------
@@ -843,10 +981,11 @@ def compare_runs(run_dirs, plot_path):
     configurations = {}  # the flags that make a configuration -> [(run_dir, config, metrics)], one per seed
     for run_dir in run_dirs:
         try:
-            with open(os.path.join(run_dir, "config.json")) as f:
+            with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                metrics = [json.loads(line) for line in f]
+            metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            if not isinstance(config, dict) or not {"task", "algo"} <= set(config):
+                raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
         key = json.dumps({k: v for k, v in config.items() if k not in NOT_CONFIGURATION}, sort_keys=True)

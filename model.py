@@ -479,20 +479,60 @@ def checkpoint_steps(checkpoint_dir):
 
 def load_checkpoint(checkpoint_dir, step=None, device="cpu", generation=None, window_pattern=None, log=print):
     """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
-    generation / window_pattern override what the files say or what would be assumed (see model_from_state)."""
+    generation / window_pattern override what the files say or what would be assumed (see model_from_state).
+    A missing, damaged or foreign file raises FileNotFoundError / ValueError naming it."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"no model_<step>.pt files in {os.path.abspath(checkpoint_dir)}")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise FileNotFoundError(f"no step {step} in {checkpoint_dir}; available steps: {steps}")
-    with open(os.path.join(checkpoint_dir, f"meta_{step:06d}.json")) as f:
-        meta = json.load(f)
-    state = torch.load(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"), map_location=device, weights_only=True)
+    meta = read_meta(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
+    model_path = os.path.join(checkpoint_dir, f"model_{step:06d}.pt")
+    state = load_tensors(model_path, device)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{model_path} holds no state dict (names -> tensors): is it a nanochat model file?")
     # Our own checkpoints name their generation, which settles what the files alone cannot.
-    model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
-                             window_pattern, log)
+    try:
+        model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
+                                 window_pattern, log)
+    except ValueError as e:
+        raise ValueError(f"{model_path}: {e}") from None
     return model, meta
+
+
+def read_meta(path):
+    """meta_<step>.json, checked: a JSON object whose model_config has GPTConfig's fields with values of their types."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: every model_<step>.pt needs its meta_<step>.json") from None
+    except ValueError as e:  # also a file that is not UTF-8
+        raise ValueError(f"{path} is not valid JSON ({e}): the checkpoint's metadata is damaged") from None
+    config = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} has no model_config object: it is not a nanochat checkpoint's metadata")
+    types = {f.name: f.type for f in fields(GPTConfig)}
+    wrong = [f"{k}={v!r}" for k, v in config.items() if k in types and not (
+        isinstance(v, str) if types[k] is str else isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
+    if wrong:
+        raise ValueError(f"{path}: model_config has values of the wrong type or range: {', '.join(wrong)} "
+                         "(sizes are integers >= 1, window_pattern a string)")
+    return meta
+
+
+# What torch.load raises on a truncated, empty, overwritten or foreign file: each of these, for one cause or another.
+DAMAGED_FILE_ERRORS = (EOFError, RuntimeError, KeyError, IndexError, ValueError, pickle.UnpicklingError)
+
+
+def load_tensors(path, device="cpu"):
+    """torch.load with weights_only, so nothing in the file can run code; a damaged file -> ValueError naming it."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except DAMAGED_FILE_ERRORS as e:
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no data"
+        raise ValueError(f"{path} is damaged or not a checkpoint file ({type(e).__name__}: {reason})") from None
 
 
 def detect_generation(model_config, state):
@@ -556,11 +596,31 @@ def model_from_state(model_config, state, generation=None, window_pattern=None, 
     return model
 
 
+class _KeepWriteError:
+    """The file torch.save writes through: torch reports a failed write (disk full) as a RuntimeError that has lost
+    the errno, so the OSError is kept here to be raised instead."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def atomic_save(obj, path):
     """bytes as they are, a .json path as JSON, anything else with torch.save. Written to a temporary file in
-    the same folder, then renamed over the path: a crash never leaves a half-written file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp_")
+    the same folder, then renamed over the path: a crash never leaves a half-written file. A failed write (disk
+    full, read-only) raises OSError with its errno and this path, and leaves nothing behind."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")
     try:
         with os.fdopen(fd, "wb") as f:
             if isinstance(obj, bytes):
@@ -568,10 +628,18 @@ def atomic_save(obj, path):
             elif path.endswith(".json"):
                 f.write(json.dumps(obj, indent=2).encode())
             else:
-                torch.save(obj, f)
+                writer = _KeepWriteError(f)
+                try:
+                    torch.save(obj, writer)
+                except RuntimeError:
+                    if writer.error is None:
+                        raise
+                    raise writer.error from None
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, path) from None
         raise
 
 

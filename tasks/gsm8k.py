@@ -20,7 +20,6 @@ import random
 import re
 import sys
 import tempfile
-import time
 import urllib.request
 
 from tasks import Task
@@ -79,18 +78,22 @@ def answer_to_parts(answer):
 
 def read_jsonl(path, expected_rows=None):
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
+            if not line.strip():  # a blank line, e.g. at the end of a hand-edited file
+                continue
             try:
-                row = json.loads(line)
-                if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                row = json.loads(line.decode("utf-8"))
+                if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
                     raise ValueError("no question/answer strings")
                 if extract_answer(row["answer"]) is None:
                     raise ValueError("answer has no '#### <number>' line")
-            except (ValueError, AttributeError) as e:
+            except ValueError as e:  # also a line that is not UTF-8
                 raise ValueError(f"{path} line {n} is not a GSM8K row ({e}); delete the file, or point "
                                  "--gsm8k-dir at a good copy of the official JSONL files") from None
             rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no GSM8K rows: point --gsm8k-dir at a good copy of the official JSONL files")
     if expected_rows is not None and len(rows) != expected_rows:
         raise ValueError(f"{path} has {len(rows)} rows, expected {expected_rows}: the file is incomplete")
     return rows
@@ -125,7 +128,7 @@ def download(split, path, url):
         raise
 
 
-def find_split(split, data_dir=None, url=OFFICIAL_URL, wait_seconds=600):
+def find_split(split, data_dir=None, url=OFFICIAL_URL):
     """The path of {split}.jsonl, downloading it into the cache if no local copy exists."""
     for where, directory in (("data_dir / --gsm8k-dir", data_dir), ("$NANOGRPO_GSM8K_DIR", os.environ.get("NANOGRPO_GSM8K_DIR"))):
         if directory:
@@ -136,13 +139,8 @@ def find_split(split, data_dir=None, url=OFFICIAL_URL, wait_seconds=600):
     path = os.path.join(cache_dir(), f"{split}.jsonl")
     if os.path.isfile(path):
         return path
-    if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun one process per machine downloads, the others wait
-        deadline = time.time() + wait_seconds
-        while not os.path.isfile(path):
-            if time.time() > deadline:
-                raise TimeoutError(f"waited {wait_seconds} s for local rank 0 to download {path}")
-            time.sleep(1)
-        return path
+    # Every process that lacks the file downloads it (a few MB), torchrun's ranks too: each writes its own temporary
+    # file and renames it into place, so they cannot clash, and none waits for another that may never come.
     download(split, path, url.format(split=split))
     return path
 

@@ -415,8 +415,8 @@ def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
     assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="lr"):
-        grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--lr", "0.5", "--resume"))
+    with pytest.raises(SystemExit, match=r"differ from the run.s \(aggregation, algo, ppo_epochs\)"):
+        grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--algo", "dr_grpo", "--resume"))
     # evaluation flags may change: they never move the weights
     result = grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--resume", "--eval-only", "--final-eval-examples", "5"))
     assert result["eval_examples"] == 5
