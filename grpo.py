@@ -45,7 +45,8 @@ from tasks.sort import Sort
 # -----------------------------------------------------------------------------
 # Configuration
 
-parser = argparse.ArgumentParser(description="GRPO / REINFORCE on GSM8K or a toy task, in one file.")
+parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
+                                 usage="python grpo.py [flags]   (python grpo.py --help lists them)")
 # the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
 parser.add_argument("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo", "gspo"], help="algorithm preset")
 parser.add_argument("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
@@ -144,8 +145,10 @@ def resolve_config(argv=None):
     if "--demo" in argv:  # the demo's defaults, under any flag given explicitly
         defaults = {k: parser.get_default(k) for k in DEMO}
         parser.set_defaults(**DEMO)
-        args = parser.parse_args(argv)
-        parser.set_defaults(**defaults)
+        try:
+            args = parser.parse_args(argv)
+        finally:  # also when a bad flag exits: later parses in this process get the usual defaults
+            parser.set_defaults(**defaults)
     else:
         args = parser.parse_args(argv)
     for key, value in PRESETS[args.algo].items():
@@ -160,7 +163,11 @@ def resolve_config(argv=None):
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    problems = [
+    problems = [  # the first that holds is reported
+        (args.top_k < 0 or min(args.max_new_tokens, args.device_batch_size, args.num_steps, args.prompts_per_step,
+                               args.sort_length, args.max_bad_steps) < 1,
+         "--top-k must be >= 0; --max-new-tokens, --device-batch-size, --num-steps, --prompts-per-step, --sort-length "
+         "and --max-bad-steps >= 1"),
         (args.prompts_per_step % world_size, f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
         (args.num_samples < 2, f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
@@ -189,10 +196,6 @@ def resolve_config(argv=None):
          f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
         (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
-        (args.top_k < 0 or min(args.max_new_tokens, args.device_batch_size, args.num_steps, args.prompts_per_step,
-                               args.sort_length, args.max_bad_steps) < 1,
-         "--top-k must be >= 0; --max-new-tokens, --device-batch-size, --num-steps, --prompts-per-step, --sort-length "
-         "and --max-bad-steps >= 1"),
         (args.init_step is not None and args.init_step < 0, "--init-step must be >= 0"),
         (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
@@ -704,7 +707,7 @@ def run_lock(run_dir):
         os.makedirs(run_dir, exist_ok=True)
         lock = open(os.path.join(run_dir, ".lock"), "a")
     except OSError as e:
-        sys.exit(f"error: cannot create the run directory {run_dir} ({e.strerror}): pass a writable --runs-dir")
+        sys.exit(f"error: cannot write in the run directory {run_dir} ({e.strerror}): pass a writable --runs-dir")
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -882,9 +885,11 @@ def train(args, run_dir, rank):
     return model
 
 
-# Flags that a resumed run may change: they decide what is evaluated and saved, never the weights' trajectory
-# (evaluation samples with its own seeds, so it does not move the training RNG).
-NOT_TRAJECTORY = ("eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every", "max_bad_steps")
+# Flags that a resumed run may change: where the run lives (a moved or copied run folder resumes), and what is
+# evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
+# the training RNG).
+NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
+                  "max_bad_steps")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
 
@@ -972,7 +977,7 @@ def eval_score_key(config):
 
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
-NOT_CONFIGURATION = ("seed", "run_name", "runs_dir") + NOT_TRAJECTORY
+NOT_CONFIGURATION = ("seed",) + NOT_TRAJECTORY
 
 
 def compare_runs(run_dirs, plot_path):
