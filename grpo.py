@@ -731,7 +731,9 @@ def stop(run_dir, problem, remedy):
     if found:
         step, checkpoint_dir = found[-1]
         sys.exit(f"error: {problem}. The run's newest checkpoint, step {step} in {checkpoint_dir}, is complete and "
-                 f"unchanged: {then}continue from it with the same command and --resume")
+                 f"unchanged: {then}go on from it with --resume")
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
     sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it again with another --run-name "
              f"(or delete {run_dir})")
 

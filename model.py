@@ -635,6 +635,8 @@ def atomic_save(obj, path):
                     if writer.error is None:
                         raise
                     raise writer.error from None
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: after a power cut the name holds old or new data, not none
         os.replace(tmp, path)
     except BaseException as e:
         os.unlink(tmp)

@@ -440,6 +440,14 @@ def test_interrupt_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
         grpo.main(flags(tmp_path, name="ctrl-c"))
     assert exit_info.value.code.startswith("error: interrupted. The run's newest checkpoint, step 2 in ")
 
+    def ctrl_c(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "load_policy", ctrl_c)  # before the run wrote anything
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(flags(tmp_path, name="early"))
+    assert exit_info.value.code == "error: interrupted. Nothing of this run was written yet: run the command again"
+
 
 def test_a_resumed_runs_wall_time_counts_every_segment(tmp_path, run_killed_after_first_save):
     argv = flags(tmp_path, "--save-every", "2", name="segments")
