@@ -486,6 +486,11 @@ def test_end_to_end_messages(pristine, tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot write ") and "File too large" in last and "No checkpoint of this run was saved" in last
     assert not [f for _, _, files in os.walk(w / "runs" / "big") for f in files if f.startswith(".tmp_")]
+    # a crafted tokenizer.pkl beside the start checkpoint: refused, and what it names never runs
+    write(w, "runs/base/tokenizer/tokenizer.pkl", pickle.dumps(RunsCode(str(w / "ran"))))
+    result = run_script(*flags(w, "--init", str(w / CK), "--init-step", "1", name="hostile"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "refused" in result.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(w / "ran")
 
 
 def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):
