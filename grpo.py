@@ -713,6 +713,8 @@ def run_lock(run_dir):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             sys.exit(f"error: another grpo.py process is running in {run_dir}: wait for it to end, or pass another --run-name")
+        except OSError as e:  # a file system without locks (some network mounts): train anyway, and say so
+            print(f"warning: cannot lock {run_dir} ({e.strerror}): nothing keeps a second process out of this run")
         yield
 
 

@@ -427,6 +427,16 @@ def test_a_lock_held_by_another_process_blocks_and_a_dead_ones_does_not(tmp_path
     assert os.path.isfile(run_dir / "chatrl_checkpoints" / "d2" / "model_000001.pt")
 
 
+def test_a_file_system_without_locks_trains_with_a_warning(tmp_path, monkeypatch, capsys):
+    def no_locks(*a):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    grpo.main(flags(tmp_path, "--num-steps", "1", name="nfs"))
+    assert "warning: cannot lock" in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "runs" / "nfs" / "chatrl_checkpoints" / "d2" / "model_000001.pt")
+
+
 def test_interrupt_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
     save = grpo.save_training_state
 
