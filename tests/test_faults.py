@@ -7,6 +7,7 @@ and a handful of cases end to end through `python grpo.py`.
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -107,17 +108,15 @@ def meta_edit(edit):
 
 
 def other_model_state(data):
-    state = torch.load(__import__("io").BytesIO(data), weights_only=True)
+    state = torch.load(io.BytesIO(data), weights_only=True)
     state["transformer.wte.weight"] = state["transformer.wte.weight"][:, :32]
     return save_bytes(state)
 
 
 def save_bytes(obj):
-    path = tempfile.mktemp()
-    torch.save(obj, path)
-    data = open(path, "rb").read()
-    os.unlink(path)
-    return data
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 class RunsCode:
@@ -141,10 +140,13 @@ def world_size(n, *extra):
     return setup
 
 
+HELD_LOCKS = []  # open files whose flock stands for another process's
+
+
 def locked(w, mp):
     lock = open(w / "runs" / "base" / ".lock", "a")
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another process holding the run would
-    mp.setattr(sys.modules[__name__], "held_lock", lock, raising=False)  # closed (unlocked) when the test ends
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second open file conflicts as another process would
+    HELD_LOCKS.append(lock)  # closed, so unlocked, when the case ends
     return flags(w, "--resume")
 
 
@@ -328,12 +330,16 @@ def test_bad_input_and_faults(case, pristine, tmp_path, monkeypatch, capsys):
         argv = setup(w, mp)
         before = snapshot(w)
         capsys.readouterr()
-        if code == 0:
-            grpo.main(argv)
-            assert text in capsys.readouterr().out
-            return
-        with pytest.raises(SystemExit) as exit_info:
-            grpo.main(argv)
+        try:
+            if code == 0:
+                grpo.main(argv)
+                assert text in capsys.readouterr().out
+                return
+            with pytest.raises(SystemExit) as exit_info:
+                grpo.main(argv)
+        finally:
+            while HELD_LOCKS:
+                HELD_LOCKS.pop().close()
     if code == 2:  # argparse: the usage line, then the error
         assert exit_info.value.code == 2
         lines = capsys.readouterr().err.strip().splitlines()
