@@ -789,7 +789,6 @@ def train(args, run_dir, rank):
             sys.exit(f"error: --resume: {e}")
         wall_before = max((m["wall_time"] for m in kept if "wall_time" in m), default=0.0)  # the earlier segments' time
     if master:  # config.json is rewritten on resume too: its evaluation and saving flags may have changed
-        os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)
         for leftover in glob.glob(os.path.join(glob.escape(run_dir), "**", ".tmp_*"), recursive=True):
             os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
         atomic_save(config, os.path.join(run_dir, "config.json"))
