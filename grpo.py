@@ -3,7 +3,7 @@ GRPO in one file: sample a group of replies per question, score them, turn the s
 advantages, update the policy. Every term of the objective is a flag, so one script runs both nanochat's
 simplified REINFORCE and DeepSeekMath's full GRPO, and everything in between.
 
-    python grpo.py --demo                            # CPU demo: the sort task from random weights, full GRPO, minutes
+    python grpo.py --demo                            # CPU demo: sort digits from random weights, full GRPO, minutes
     python grpo.py --demo --algo reinforce           # the same with nanochat's simplified REINFORCE
     python grpo.py                                   # GSM8K from the newest nanochat chat SFT checkpoint
     torchrun --nproc_per_node=8 grpo.py --algo grpo  # the same on 8 GPUs
@@ -15,6 +15,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
     loss      = aggregate(policy_t + beta * kl_t)  over the reply tokens of the batch  (token | sequence | constant)
+
+Read top to bottom in the order a step runs; below the banner, the run's plumbing (checks, files, evaluation).
 """
 import argparse
 import copy
@@ -33,183 +35,124 @@ import resource
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
                    load_checkpoint, load_tensors, master_weights, nanochat_base_dir, save_checkpoint)
-from tasks.gsm8k import GSM8K, is_correct
+from tasks.gsm8k import GSM8K
 from tasks.sort import Sort
 
-# -----------------------------------------------------------------------------
-# Configuration
+TASKS = {"gsm8k": GSM8K, "sort": Sort}
 
+# -----------------------------------------------------------------------------
+# Configuration. A flag's own bounds are its type; checks that involve several flags are in resolve_config.
+
+def at_least(low):
+    """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
+    def integer(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return integer
+
+
+count = at_least(1)
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)")
+arg = parser.add_argument
 # the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
-parser.add_argument("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo", "gspo"], help="algorithm preset")
-parser.add_argument("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
-parser.add_argument("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
-parser.add_argument("--ppo-epochs", type=int, help="passes over each sampled batch (mu in the GRPO paper)")
-parser.add_argument("--num-minibatches", type=int, help="optimizer steps per pass over the sampled batch")
-parser.add_argument("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
-parser.add_argument("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
-parser.add_argument("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
-parser.add_argument("--kl-coef", type=float, help="beta; 0 builds no reference model")
-parser.add_argument("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
-parser.add_argument("--ref-reset-every", type=int, help="copy the policy into the reference every N steps (0: never)")
-parser.add_argument("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave groups whose rewards are all equal out of the loss")
-parser.add_argument("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave replies that hit --max-new-tokens out of the loss")
-parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: draw more questions until every group of the step has differing rewards")
-parser.add_argument("--max-sampling-rounds", type=int, default=4, help="--dynamic-sampling: sampling rounds per step at most")
-parser.add_argument("--overlong-buffer", type=int, help="DAPO's soft overlong penalty over the last N tokens before --max-new-tokens (0: off)")
+arg("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo", "gspo"], help="algorithm preset")
+arg("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
+arg("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
+arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
+arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
+arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
+arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
+arg("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
+arg("--kl-coef", type=float, help="beta; 0 builds no reference model")
+arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
+arg("--ref-reset-every", type=at_least(0), help="copy the policy into the reference every N steps (0: never)")
+arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
+arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
+arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
+arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most")
+arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise the last N tokens before --max-new-tokens")
 # the task and the start policy
-parser.add_argument("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
-parser.add_argument("--task", default="gsm8k", choices=["gsm8k", "sort"])
-parser.add_argument("--gsm8k-dir", default=None, help="directory with the official {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
-parser.add_argument("--sort-length", type=int, default=5, help="digits per sort problem")
-parser.add_argument("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint; 'scratch': a new model; or a checkpoint directory")
-parser.add_argument("--init-step", type=int, default=None, help="checkpoint step to start from (default: the largest)")
-parser.add_argument("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
-parser.add_argument("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation of the start checkpoint (default: read off its files)")
-parser.add_argument("--window-pattern", default=None, help="attention windows (S/L per layer) where the checkpoint's config has none (default: L, as nanochat)")
-parser.add_argument("--depth", type=int, default=4, help="scratch model: layers")
-parser.add_argument("--n-embd", type=int, default=256, help="scratch model: width")
-parser.add_argument("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
+arg("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
+arg("--task", default="gsm8k", choices=list(TASKS))
+arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
+arg("--sort-length", type=count, default=5, help="digits per sort problem")
+arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', or a checkpoint folder")
+arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)")
+arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
+arg("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation (default: from its files)")
+arg("--window-pattern", default=None, help="S/L per layer where the checkpoint's config has none (default: L)")
+arg("--depth", type=int, default=4, help="scratch model: layers")
+arg("--n-embd", type=int, default=256, help="scratch model: width")
+arg("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
 # sampling (shared by all presets)
-parser.add_argument("--prompts-per-step", type=int, default=16, help="questions per step, across all ranks")
-parser.add_argument("--num-samples", type=int, default=16, help="replies per question (the group size G)")
-parser.add_argument("--max-new-tokens", type=int, default=256)
-parser.add_argument("--temperature", type=float, default=1.0)
-parser.add_argument("--top-k", type=int, default=50, help="0: sample from the full softmax (no mismatch with the trained log-probs)")
-parser.add_argument("--device-batch-size", type=int, default=16, help="rows per forward/backward pass (memory only, not the math)")
+arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
+arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
+arg("--max-new-tokens", type=count, default=256)
+arg("--temperature", type=float, default=1.0)
+arg("--top-k", type=int, default=50, help="0: sample from the full softmax (no mismatch with the trained log-probs)")
+arg("--device-batch-size", type=count, default=16, help="rows per forward/backward pass (memory, not the math)")
 # optimization (shared)
-parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW scheme; adamw: one AdamW")
-parser.add_argument("--lr", type=float, default=1e-5, help="adamw learning rate")
-parser.add_argument("--matrix-lr", type=float, default=0.02, help="muon: transformer matrices")
-parser.add_argument("--embedding-lr", type=float, default=0.2, help="muon scheme: AdamW on the embedding")
-parser.add_argument("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on the lm head")
-parser.add_argument("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
-parser.add_argument("--weight-decay", type=float, default=0.0)
-parser.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
-parser.add_argument("--num-steps", type=int, default=None, help="default: one epoch of GSM8K train; 300 for sort")
+arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
+arg("--lr", type=float, default=1e-5, help="adamw learning rate")
+arg("--matrix-lr", type=float, default=0.02, help="muon: transformer matrices")
+arg("--embedding-lr", type=float, default=0.2, help="muon scheme: AdamW on the embedding")
+arg("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on the lm head")
+arg("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
+arg("--weight-decay", type=float, default=0.0)
+arg("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
+arg("--num-steps", type=count, default=None, help="default: one epoch of GSM8K train; 300 for sort")
 # evaluation, logging, checkpoints
-parser.add_argument("--eval-every", type=int, default=60)
-parser.add_argument("--eval-examples", type=int, default=400, help="test problems per periodic eval")
-parser.add_argument("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
-parser.add_argument("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
-parser.add_argument("--pass-k", type=int, default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
-parser.add_argument("--save-every", type=int, default=60)
-parser.add_argument("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
-parser.add_argument("--runs-dir", default="runs")
-parser.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype, by autocast (default: bfloat16 on cuda, float32 on cpu); weights and optimizer state stay float32")
-parser.add_argument("--max-bad-steps", type=int, default=3, help="stop after this many non-finite losses in a row")
-parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
-parser.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="print a side-by-side table of these runs, plot them to <runs-dir>/compare.png, exit")
+arg("--eval-every", type=at_least(0), default=60)
+arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
+arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
+arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
+arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
+arg("--save-every", type=at_least(0), default=60)
+arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
+arg("--runs-dir", default="runs")
+arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
+arg("--seed", type=int, default=0)
+arg("--device", default=None, help="cuda or cpu (default: cuda if available)")
+arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
+arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
+arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
+arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/compare.png) of these runs, exit")
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
-    "reinforce": dict(advantage="mean", aggregation="token", ratio_level="token", ppo_epochs=1, num_minibatches=1, clip_eps=0.2,
-                      clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
+    "reinforce": dict(advantage="mean", aggregation="token", ratio_level="token", ppo_epochs=1, num_minibatches=1,
+                      clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
                       drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
-    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", ppo_epochs=2, num_minibatches=1, clip_eps=0.2,
-                 clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
+    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", ppo_epochs=2, num_minibatches=1,
+                 clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
                  drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
 }
-PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # Dr. GRPO: no length or std bias
-PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher,
-                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)  # overlong filtering
+PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
+# DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
+PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
+                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
-# The demo trains a 2-layer GPT from random weights; its settings were chosen by measurement (README): with AdamW
-# instead of Muon, held-out reward stalled at 0.74-0.87. It defaults to the full GRPO preset because from a random
-# start reinforce collapses onto one answer for every prompt before it learns to read the prompt.
+# The demo: a 2-layer GPT from random weights, settings chosen by measurement (README; AdamW stalled at 0.74-0.87).
+# Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt.
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
             max_new_tokens=8, top_k=0, device_batch_size=256, algo="grpo", optimizer="muon", init_lr_frac=0.25,
             num_steps=1000, eval_every=100, eval_examples=256, pass_k=0, save_every=250, device="cpu")
-
-
-# Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
-MIN_TEMPERATURE = 0.1
-
-
-def resolve_config(argv=None):
-    """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--demo" in argv:  # the demo's defaults, under any flag given explicitly
-        defaults = {k: parser.get_default(k) for k in DEMO}
-        parser.set_defaults(**DEMO)
-        try:
-            args = parser.parse_args(argv)
-        finally:  # also when a bad flag exits: later parses in this process get the usual defaults
-            parser.set_defaults(**defaults)
-    else:
-        args = parser.parse_args(argv)
-    for key, value in PRESETS[args.algo].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.clip_eps_high is None:
-        args.clip_eps_high = args.clip_eps
-    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
-        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
-    if args.num_steps is None:
-        args.num_steps = 7473 // args.prompts_per_step if args.task == "gsm8k" else 300
-    if args.run_name is None:
-        args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    problems = [  # the first that holds is reported
-        (args.top_k < 0 or min(args.max_new_tokens, args.device_batch_size, args.num_steps, args.prompts_per_step,
-                               args.sort_length, args.max_bad_steps) < 1,
-         "--top-k must be >= 0; --max-new-tokens, --device-batch-size, --num-steps, --prompts-per-step, --sort-length "
-         "and --max-bad-steps >= 1"),
-        (args.prompts_per_step % world_size, f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
-        (args.num_samples < 2, f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
-        (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
-        (args.kl_coef < 0, "--kl-coef must be >= 0"),
-        (not 0 <= args.overlong_buffer <= args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
-        (args.ref_reset_every < 0, "--ref-reset-every must be >= 0"),
-        (args.ref_reset_every > 0 and args.kl_coef == 0, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
-        (args.max_sampling_rounds < 1, "--max-sampling-rounds must be >= 1"),
-        (args.ppo_epochs < 1 or args.num_minibatches < 1, "--ppo-epochs and --num-minibatches must be >= 1"),
-        (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
-         "--num-minibatches is larger than the number of replies per rank"),
-        (not all(map(math.isfinite, (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac,
-                                     args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high, args.kl_coef,
-                                     args.temperature))), "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), "
-                                                          "--kl-coef and --temperature must be finite numbers"),
-        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a group "
-                                             f"would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
-        (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
-        (min(args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac) <= 0,
-         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac) must be > 0"),
-        (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
-        (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head or (args.n_embd // max(1, args.n_head)) % 2,
-         f"scratch model: --depth, --n-head >= 1 and --n-embd a multiple of --n-head with an even head size "
-         f"(got --depth {args.depth} --n-embd {args.n_embd} --n-head {args.n_head})"),
-        (args.run_name in ("", ".", "..") or os.sep in args.run_name or (os.altsep or os.sep) in args.run_name,
-         f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
-        (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
-         f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
-        (args.init_step is not None and args.init_step < 0, "--init-step must be >= 0"),
-        (args.eval_every < 0 or args.save_every < 0 or args.pass_k < 0, "--eval-every, --save-every, --pass-k must be >= 0"),
-        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
-         "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
-        (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
-         "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
-        (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
-         f"--window-pattern {args.window_pattern!r} must be a string of S (short window) and L (long) per layer"),
-        (args.wandb and importlib.util.find_spec("wandb") is None, "--wandb needs the wandb package: pip install wandb"),
-    ]
-    for bad, message in problems:
-        if bad:
-            parser.error(message)
-    return args
 
 
 # -----------------------------------------------------------------------------
@@ -226,23 +169,15 @@ def group_advantages(rewards, kind, eps=1e-4):
 
 
 def sequence_log_ratio(log_ratio, loss_mask):
-    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its
-    exponential is the length-normalised ratio of the whole reply's likelihood, and its gradient reaches every
-    token of the reply."""
+    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its exponential
+    is the length-normalised ratio of the whole reply's likelihood; its gradient reaches every token of the reply."""
     return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
-
-
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
-    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
 
 
 def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high):
     """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
-    advantages [B, 1] -> (loss, clipped), shaped like log_ratio.
-
-    With pi_old = pi_theta detached the ratio is exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
+    advantages [B, 1] -> (loss, clipped), shaped like log_ratio. With pi_old = pi_theta detached the ratio is
+    exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -279,8 +214,408 @@ def aggregate(per_token, loss_mask, kind, denominator):
     return summed.sum() / denominator
 
 
+def objective(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, denominator, args):
+    """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs [B, T] carry the gradient;
+    old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL) are frozen; advantages [B, 1]."""
+    # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
+    # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
+    keep = loss_mask > 0
+    logprobs = torch.where(keep, logprobs, 0.0)
+    old = torch.where(keep, old_logprobs, 0.0) if old_logprobs is not None else logprobs.detach()
+    log_ratio = logprobs - old  # [B, T]
+    if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
+        log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
+    policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high)
+    loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
+    parts = dict(logprobs=logprobs, log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy)
+    if ref_logprobs is None:
+        return loss_policy, parts
+    kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
+    loss_kl = aggregate(kl, loss_mask, args.aggregation, denominator)
+    return loss_policy + args.kl_coef * loss_kl, dict(parts, kl=kl, loss_kl=loss_kl)
+
+
 # -----------------------------------------------------------------------------
-# Muon: momentum, then the update's orthogonalised direction (Newton-Schulz), for the transformer's matrices
+# Sampling and scoring groups
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
+    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
+    """G replies to each of these questions, scored -> prompts (P token lists), samples (P * G rows), and [P, G]
+    task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are built from."""
+    G = args.num_samples
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    with autocast:
+        samples = generate(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_k, seed=seeds,
+                           tool=task.tool)
+    task_rewards = torch.tensor([task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
+                                 for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
+    penalty = torch.zeros_like(task_rewards)
+    if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
+        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+    return dict(prompts=prompts, samples=samples, task_rewards=task_rewards, penalty=penalty,
+                rewards=task_rewards + penalty)
+
+
+def equal_groups(rewards):
+    """rewards [P, G] -> [P] bool: the groups whose replies all got the same reward. Their advantages are 0."""
+    return rewards.max(dim=1).values == rewards.min(dim=1).values
+
+
+def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
+    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
+    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
+    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
+    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them; rounds)"""
+    wanted, G = len(first["prompts"]), args.num_samples
+    parts, differing = [first], [~equal_groups(first["rewards"])]  # differing: [P] bool per round
+    while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
+        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
+        indices = draw.sample(range(len(task)), min(wanted, len(task)))
+        seeds = [draw.getrandbits(62) for _ in indices]
+        parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
+        differing.append(~equal_groups(parts[-1]["rewards"]))
+    kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
+            for g in range(len(d)) if bool(d[g]) == want][:wanted]
+    groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
+    samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
+    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples), len(parts)
+
+
+# -----------------------------------------------------------------------------
+# One step of training: the batch, the frozen log-probs, the update
+
+def make_batch(prompts, samples, rewards, args):
+    """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
+    padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
+    The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding."""
+    G = args.num_samples
+    lengths = samples["lengths"].tolist()
+    T = max(len(prompts[row // G]) + lengths[row] for row in range(len(lengths))) - 1
+    input_ids = torch.zeros(len(lengths), T, dtype=torch.long)  # [N, T]
+    target_ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(lengths), T)
+    for row, length in enumerate(lengths):
+        prompt = prompts[row // G]
+        sequence = torch.tensor(prompt + samples["tokens"][row, :length].tolist())
+        input_ids[row, :len(sequence) - 1], target_ids[row, :len(sequence) - 1] = sequence[:-1], sequence[1:]
+        loss_mask[row, len(prompt) - 1:len(sequence) - 1] = samples["mask"][row, :length].float()
+    equal = equal_groups(rewards)  # [P]
+    if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
+        loss_mask *= (~equal).repeat_interleave(G)[:, None]
+    if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
+        loss_mask *= (~samples["truncated"])[:, None]
+    advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
+    return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
+                equal_groups=equal)  # [P], logged
+
+
+@torch.no_grad()
+def frozen_logprobs(net, batch, micro_batches, args, autocast):
+    """Log-probs [N, T] of the batch under a net that does not train (pi_old, pi_ref), micro-batch by micro-batch."""
+    logprobs = torch.zeros_like(batch["loss_mask"])
+    with autocast:
+        for mb in micro_batches:
+            logprobs[mb] = net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
+    return logprobs
+
+
+def split_minibatches(N, device, args):
+    """-> num_minibatches lists of micro-batches (row indices, --device-batch-size at most: memory only). Minibatch
+    j takes the replies whose global row number is j modulo num_minibatches. Each rank holds a contiguous block of
+    N rows, so the union over ranks of a minibatch is one process's: any number of ranks takes the same steps."""
+    rows = torch.arange(N, device=device)
+    global_rows = (dist.get_rank() if dist.is_initialized() else 0) * N + rows
+    return [list(rows[global_rows % args.num_minibatches == j].split(args.device_batch_size))
+            for j in range(args.num_minibatches)]
+
+
+def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
+    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds)."""
+    loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
+    minibatches = split_minibatches(loss_mask.size(0), loss_mask.device, args)
+    micro_batches = [mb for minibatch in minibatches for mb in minibatch]
+    # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
+    # itself, detached. Computed over the same micro-batches as the first update, so that rho == 1 exactly there.
+    start = time.time()
+    reused = args.ppo_epochs * args.num_minibatches > 1
+    old_logprobs = frozen_logprobs(model, batch, micro_batches, args, autocast) if reused else None
+    ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast) if ref_model is not None else None
+    time_logprobs = time.time() - start
+
+    stats = update_stats(loss_mask.device)
+    model.train()
+    for _ in range(args.ppo_epochs):
+        for minibatch in minibatches:
+            counts = [aggregation_count(loss_mask[mb], args.aggregation, args.max_new_tokens) for mb in minibatch]
+            local = torch.stack([torch.stack(counts).sum().float(), sum(loss_mask[mb].sum() for mb in minibatch)])
+            denominator, tokens = all_reduce(local)  # over all ranks: the minibatch's normaliser and policy tokens
+            if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
+                stats["empty_updates"] += 1
+                continue
+            minibatch_loss = torch.zeros((), dtype=torch.float64, device=loss_mask.device)
+            for mb in minibatch:
+                with autocast:
+                    logprobs = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
+                loss, parts = objective(logprobs, old_logprobs[mb] if reused else None,
+                                        ref_logprobs[mb] if ref_model is not None else None,
+                                        advantages[mb], loss_mask[mb], denominator, args)
+                loss.backward()
+                minibatch_loss += loss.detach()
+                add_micro_batch_stats(stats, loss, parts, loss_mask[mb])
+            # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
+            all_reduce_gradients(list(model.parameters()))
+            if not torch.isfinite(all_reduce(minibatch_loss.clone())):
+                stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
+                model.zero_grad(set_to_none=True)
+                continue
+            if args.grad_clip > 0:
+                stats["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+            for opt in optimizers:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+            stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
+            stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
+    return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
+
+
+def train(args, run):
+    """The step loop: sample -> score -> advantages -> batch -> update -> end of step. `run` holds what the
+    plumbing below the banner set up: the model, its reference and optimizers, the tasks, device and run folder."""
+    model, ref_model, tokenizer, task = run.model, run.ref_model, run.tokenizer, run.train_task
+    for step in range(run.start_step, args.num_steps):
+        step_start = time.time()
+        lr_multiplier = set_learning_rates(run.optimizers, step, args)
+        if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
+            ref_model.load_state_dict(model.state_dict())  # DeepSeekMath's iterative variant
+
+        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
+        model.eval()
+        indices = prompt_indices(step, run.rank, run.world_size, args, len(task))
+        seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
+        groups = sample_groups(model, tokenizer, task, indices, seeds, args, run.autocast)
+        rounds = 1
+        if args.dynamic_sampling:
+            groups, rounds = dynamic_sampling(groups, model, tokenizer, task, step, run.rank, args, run.autocast)
+        time_sample = time.time() - step_start
+
+        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
+        batch = make_batch(groups["prompts"], groups["samples"], groups["rewards"], args)
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        update_start = time.time()
+        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model)
+
+        # 6. Log, check, evaluate, save.
+        times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
+                     time_update=time.time() - update_start - time_logprobs)
+        end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start)
+
+
+# =============================================================================
+# The run's plumbing: the whole-config checks, devices and processes, the start policy and its optimizers, the
+# run folder (lock, config, metrics, checkpoints, resume, one-line stops), evaluation, distributed helpers and
+# --compare. Nothing above needs to be read to follow the algorithm.
+# =============================================================================
+
+def main(argv=None):
+    args = resolve_config(argv)
+    if args.compare:
+        return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
+    run_dir = os.path.join(args.runs_dir, args.run_name)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        with lock_run_dir(run_dir) if rank == 0 else nullcontext():
+            run = start_run(args, run_dir, rank)
+            if args.eval_only:
+                result = run_eval(args, run, run.start_step, args.final_eval_examples)
+                leave_process_group()
+                return result
+            if run.start_step == 0 and args.eval_every:
+                run_eval(args, run, 0, args.eval_examples)
+            train(args, run)
+            run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
+                    f"metrics in {run.metrics_path}")
+            if run.master:  # the summary: this run as a one-row comparison table, and its curves
+                compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
+            leave_process_group()
+            return run.model
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
+                 "free disk space or make the folder writable")
+    except KeyboardInterrupt:
+        stop_run(run_dir, "interrupted", "")
+
+
+# Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
+MIN_TEMPERATURE = 0.1
+
+
+def resolve_config(argv=None):
+    """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--demo" in argv:  # the demo's defaults, under any flag given explicitly
+        defaults = {k: parser.get_default(k) for k in DEMO}
+        parser.set_defaults(**DEMO)
+        try:
+            args = parser.parse_args(argv)
+        finally:  # also when a bad flag exits: later parses in this process get the usual defaults
+            parser.set_defaults(**defaults)
+    else:
+        args = parser.parse_args(argv)
+    for key, value in PRESETS[args.algo].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.clip_eps_high is None:
+        args.clip_eps_high = args.clip_eps
+    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
+        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    if args.num_steps is None:
+        args.num_steps = TASKS[args.task].default_num_steps(args.prompts_per_step)
+    if args.run_name is None:
+        args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
+    check_config(args)
+    return args
+
+
+def check_config(args):
+    """Exit 2 with argparse's usage line and one line naming the first problem, before any work is done."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac)
+    problems = [
+        (args.top_k < 0, "--top-k must be >= 0"),
+        (args.prompts_per_step % world_size,
+         f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
+        (args.num_samples < 2,
+         f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
+        (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
+        (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
+        (args.ref_reset_every > 0 and args.kl_coef == 0,
+         "--ref-reset-every needs a reference model: set --kl-coef > 0"),
+        (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
+         "--num-minibatches is larger than the number of replies per rank"),
+        (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
+                                           args.kl_coef, args.temperature))),
+         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef and --temperature must be finite "
+         "numbers"),
+        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
+         f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
+        (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
+        (min(lrs) <= 0,
+         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac) must be > 0"),
+        (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
+        (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
+         or (args.n_embd // max(1, args.n_head)) % 2,
+         f"scratch model: --depth, --n-head >= 1 and --n-embd a multiple of --n-head with an even head size "
+         f"(got --depth {args.depth} --n-embd {args.n_embd} --n-head {args.n_head})"),
+        (args.run_name in ("", ".", "..") or os.sep in args.run_name or (os.altsep or os.sep) in args.run_name,
+         f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
+        (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
+         f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
+        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
+         "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem "
+         "measures nothing"),
+        (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
+         "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
+        (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
+         f"--window-pattern {args.window_pattern!r} must be a string of S (short window) and L (long) per layer"),
+        (args.wandb and importlib.util.find_spec("wandb") is None,
+         "--wandb needs the wandb package: pip install wandb"),
+    ]
+    for bad, message in problems:
+        if bad:
+            parser.error(message)
+
+
+# -----------------------------------------------------------------------------
+# Setting a run up: processes and devices, tasks, the start policy, its reference and optimizers, the run folder
+
+def start_run(args, run_dir, rank):
+    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint."""
+    if not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # every rank, before they meet
+        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
+    # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    torch.manual_seed(args.seed)
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
+    config["world_size"] = world_size
+    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+
+    try:
+        train_task, test_task = (TASKS[args.task].from_flags(split, args) for split in ("train", "test"))
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    model, tokenizer, tag = load_policy(args, log)
+    model.to(device)
+    optimizers = make_optimizers(model, args)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
+    run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
+                          train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
+                          ref_model=ref_model, optimizers=optimizers, config=config, run_dir=run_dir, tag=tag,
+                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), start_step=0, bad_steps=0)
+    if args.resume:
+        run.start_step = resume(run)
+        log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
+    wall_before = write_run_files(args, run)
+    run.wall_start = time.time() - wall_before
+    run.wandb = None
+    if args.wandb and master:
+        import wandb
+        run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
+    return run
+
+
+def load_policy(args, log):
+    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>."""
+    if args.init == "scratch":
+        tokenizer = Tokenizer.byte_level()
+        config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
+                           n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
+    if args.init == "sft":
+        try:
+            checkpoint_dir = find_checkpoint(tag=args.model_tag)
+        except FileNotFoundError as e:
+            sys.exit(f"error: {e}.\nTrain a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
+    else:
+        checkpoint_dir = args.init
+    try:
+        model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
+                                   window_pattern=args.window_pattern, log=log)
+        tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
+
+
+def tokenizer_path(checkpoint_dir):
+    """<base>/<source>_checkpoints/<tag> -> <base>/tokenizer/tokenizer.pkl, else nanochat's default base."""
+    base = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir)))
+    beside = os.path.join(base, "tokenizer", "tokenizer.pkl")
+    return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
+
+
+# -----------------------------------------------------------------------------
+# Optimizers. Muon: momentum, then the update's orthogonalised direction (Newton-Schulz), for the block matrices
 
 def newton_schulz(G, steps=5):
     """Approximately U V^T for G = U S V^T: a quintic iteration whose coefficients push every singular
@@ -338,369 +673,24 @@ def make_optimizers(model, args):
     return optimizers
 
 
-# -----------------------------------------------------------------------------
-# Distributed helpers: identity in a single process
-
-def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=op)
-    return tensor
-
-
-def all_reduce_gradients(params, bucket_bytes=64 * 2 ** 20):
-    """Sum the gradients over ranks in a few large flat buckets: one collective per bucket rather than one per
-    tensor (a 20-layer model has over a hundred), each element summed exactly as a per-tensor reduce sums it."""
-    if not dist.is_initialized():
-        return
-    buckets, size = [[]], 0
-    for p in params:
-        if size >= bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
-    for grads in buckets:
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
-
-
-def leave_process_group():
-    if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort (SIGABRT)
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def progress(label, done, total, start):
-    """Progress with time left, redrawn in place on a terminal; silent in log files."""
-    if sys.stdout.isatty() and int(os.environ.get("RANK", "0")) == 0:
-        elapsed = time.time() - start
-        left = elapsed / done * (total - done) if done else 0
-        print(f"\r{label}: {done}/{total} ({elapsed:.0f}s, ~{left:.0f}s left)", end="" if done < total else "\n", flush=True)
+def set_learning_rates(optimizers, step, args):
+    """Linear decay to zero, as nanochat -> the multiplier of this step."""
+    lr_multiplier = 1.0 - step / args.num_steps
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+    return lr_multiplier
 
 
 # -----------------------------------------------------------------------------
-# Evaluation: greedy and sampled, every rank takes its share of the problems
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
-    n = len(task) if num_examples < 0 else min(num_examples, len(task))
-    mine = list(range(rank, n, world_size))
-    totals = torch.zeros(4 + args.pass_k, dtype=torch.float64)  # count, reward, exact/strict, lenient, pass@1..k
-    start, chunk = time.time(), 32
-    for i in range(0, len(mine), chunk):
-        conversations = [task[j] for j in mine[i:i + chunk]]
-        prompts = [tokenizer.render_for_completion(c) for c in conversations]
-        with autocast:
-            greedy = generate(model, tokenizer, prompts, 1, args.max_new_tokens, temperature=0)
-            sampled = generate(model, tokenizer, prompts, args.pass_k, args.max_new_tokens, args.temperature,
-                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]]) if args.pass_k else None
-        for p, conversation in enumerate(conversations):
-            reply = reply_text(tokenizer, greedy, p)
-            totals[0] += 1
-            totals[1] += task.reward(conversation, reply)
-            totals[2] += task.evaluate(conversation, reply)
-            if args.task == "gsm8k":
-                totals[3] += is_correct(reply, task.reference(conversation), lenient=True)
-            if sampled is not None:
-                correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
-                              for g in range(args.pass_k))
-                totals[4:] += torch.tensor([pass_at_k(args.pass_k, correct, k) for k in range(1, args.pass_k + 1)])
-        progress("eval", min(i + chunk, len(mine)), len(mine), start)
-    totals = all_reduce(totals.to(model.lm_head.weight.device))  # NCCL reduces GPU tensors only
-    count = totals[0].clamp(min=1)
-    result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item(),
-              "eval_exact" if args.task == "sort" else "eval_strict": (totals[2] / count).item()}
-    if args.task == "gsm8k":
-        result["eval_lenient"] = (totals[3] / count).item()
-    for k in range(1, args.pass_k + 1):
-        result[f"eval_pass@{k}"] = (totals[3 + k] / count).item()
-    return result
-
-
-def reply_text(tokenizer, samples, row):
-    """A sampled reply as text for the grader, without its stop token."""
-    length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
-    return tokenizer.decode(samples["tokens"][row, :length].tolist())
-
-
-# -----------------------------------------------------------------------------
-# Start policy, data order, checkpoints
-
-def load_policy(args, log=print):
-    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>."""
-    if args.init == "scratch":
-        tokenizer = Tokenizer.byte_level()
-        config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
-                           n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
-        return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
-    if args.init == "sft":
-        try:
-            checkpoint_dir, _ = find_checkpoint(source="chatsft", tag=args.model_tag)
-        except FileNotFoundError as e:
-            sys.exit(f"error: {e}.\nTrain a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
-    else:
-        checkpoint_dir = args.init
-    try:
-        model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
-                                   window_pattern=args.window_pattern, log=log)
-        tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
-
-
-def tokenizer_path(checkpoint_dir):
-    """<base>/<source>_checkpoints/<tag> -> <base>/tokenizer/tokenizer.pkl, else nanochat's default base."""
-    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir))), "tokenizer", "tokenizer.pkl")
-    return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(num_examples, seed, epoch):
-    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-
-
-def prompt_indices(step, rank, world_size, args, num_examples):
-    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
-    picks up exactly where it stopped. Epoch 0 keeps the task's own (seeded) order, later epochs reshuffle."""
-    per_rank = args.prompts_per_step // world_size
-    first = step * args.prompts_per_step + rank * per_rank
-    indices = []
-    for g in range(first, first + per_rank):
-        epoch, i = divmod(g, num_examples)
-        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch)[i])
-    return indices
-
-
-def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config):
-    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
-    # the resume state first, the model after: a step counts as saved once its model file exists
-    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers], "master_weights": master_weights(model),
-                 "ref_model": ref_model.state_dict() if ref_model is not None else None},
-                os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
-    save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
-
-
-# -----------------------------------------------------------------------------
-# Sampling and scoring groups
-
-def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
-    """G replies to each of these questions, scored -> prompts (P token lists), samples (P * G rows),
-    rewards and penalty [P, G]: the task's reward, and DAPO's overlong penalty (0 when off)."""
-    G = args.num_samples
-    conversations = [task[i] for i in indices]
-    prompts = [tokenizer.render_for_completion(c) for c in conversations]
-    with autocast:
-        samples = generate(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_k, seed=seeds)
-    rewards = torch.tensor([task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
-                            for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
-    penalty = torch.zeros_like(rewards)
-    if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
-        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
-    return dict(prompts=prompts, samples=samples, rewards=rewards, penalty=penalty)
-
-
-def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
-    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
-    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
-    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
-    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them; rounds)"""
-    wanted, G = len(first["prompts"]), args.num_samples
-    parts = [first]
-
-    def differing(part):  # [P] bool
-        total = part["rewards"] + part["penalty"]
-        return total.max(dim=1).values > total.min(dim=1).values
-
-    while len(parts) < args.max_sampling_rounds and sum(int(differing(p).sum()) for p in parts) < wanted:
-        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
-        indices = draw.sample(range(len(task)), min(wanted, len(task)))
-        parts.append(sample_groups(model, tokenizer, task, indices, [draw.getrandbits(62) for _ in indices], args, autocast))
-    kept = [(p, g) for want in (True, False) for p, part in enumerate(parts)
-            for g in range(len(part["prompts"])) if bool(differing(part)[g]) == want][:wanted]  # differing groups first
-    return dict(prompts=[parts[p]["prompts"][g] for p, g in kept],
-                samples={k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]},
-                rewards=torch.stack([parts[p]["rewards"][g] for p, g in kept]),
-                penalty=torch.stack([parts[p]["penalty"][g] for p, g in kept])), len(parts)
-
-
-# -----------------------------------------------------------------------------
-# One step of training: the batch, the frozen log-probs, the update
-
-def make_batch(prompts, samples, rewards, args):
-    """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
-    padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
-    The loss mask keeps the tokens the policy sampled: no prompt, no forced calculator output, no padding."""
-    G = args.num_samples
-    lengths = samples["lengths"].tolist()
-    T = max(len(prompts[row // G]) + lengths[row] for row in range(len(lengths))) - 1
-    input_ids = torch.zeros(len(lengths), T, dtype=torch.long)  # [N, T]
-    target_ids = torch.zeros(len(lengths), T, dtype=torch.long)
-    loss_mask = torch.zeros(len(lengths), T)
-    for row, length in enumerate(lengths):
-        prompt = prompts[row // G]
-        sequence = torch.tensor(prompt + samples["tokens"][row, :length].tolist())
-        input_ids[row, :len(sequence) - 1], target_ids[row, :len(sequence) - 1] = sequence[:-1], sequence[1:]
-        loss_mask[row, len(prompt) - 1:len(sequence) - 1] = samples["mask"][row, :length].float()
-    equal_groups = rewards.max(dim=1).values == rewards.min(dim=1).values  # [P]
-    if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
-        loss_mask *= (~equal_groups).repeat_interleave(G)[:, None]
-    if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
-        loss_mask *= (~samples["truncated"])[:, None]
-    advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
-    return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
-                equal_groups=equal_groups)  # [P], logged
-
-
-@torch.no_grad()
-def frozen_logprobs(net, batch, micro_batches, args, autocast):
-    """Log-probs [N, T] of the batch under a net that does not train (pi_old, pi_ref), micro-batch by micro-batch."""
-    logprobs = torch.zeros_like(batch["loss_mask"])
-    with autocast:
-        for mb in micro_batches:
-            logprobs[mb] = net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
-    return logprobs
-
-
-def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
-    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds)."""
-    device = batch["input_ids"].device
-    loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
-    N = loss_mask.size(0)
-    # Minibatch j takes the replies whose global row number is j modulo num_minibatches. Each rank holds a
-    # contiguous block of N rows, so the union over ranks of a minibatch is one process's minibatch: any number
-    # of ranks takes the same optimizer steps.
-    global_rows = (dist.get_rank() if dist.is_initialized() else 0) * N + torch.arange(N, device=device)
-    minibatches = [list(torch.arange(N, device=device)[global_rows % args.num_minibatches == j].split(args.device_batch_size))
-                   for j in range(args.num_minibatches)]  # each a list of micro-batches (memory only)
-    micro_batches = [mb for minibatch in minibatches for mb in minibatch]
-
-    # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
-    # itself, detached. Computed over the same micro-batches as the first update, so that rho == 1 exactly there.
-    start = time.time()
-    old_logprobs = frozen_logprobs(model, batch, micro_batches, args, autocast) if args.ppo_epochs * args.num_minibatches > 1 else None
-    ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast) if ref_model is not None else None
-    time_logprobs = time.time() - start
-
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "clip_tokens", "tokens", "kl",
-                                      "neg_logprob")}
-    ratio_min, ratio_max = zero + float("inf"), zero - float("inf")
-    grad_norms, skipped, empty, stepped = [], 0, 0, False
-    weights_finite = torch.ones((), dtype=torch.bool, device=device)
-    model.train()
-    for epoch in range(args.ppo_epochs):
-        for minibatch in minibatches:
-            counts = [aggregation_count(loss_mask[mb], args.aggregation, args.max_new_tokens) for mb in minibatch]
-            tokens = sum(loss_mask[mb].sum() for mb in minibatch)
-            denominator, tokens = all_reduce(torch.stack([torch.stack(counts).sum().float(), tokens]).to(device))  # global
-            if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
-                empty += 1
-                continue
-            minibatch_loss = zero.clone()
-            for mb in minibatch:
-                mask = loss_mask[mb]
-                with autocast:
-                    logprobs = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)  # [B, T]
-                # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
-                # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
-                keep = mask > 0
-                logprobs = torch.where(keep, logprobs, 0.0)
-                old = torch.where(keep, old_logprobs[mb], 0.0) if old_logprobs is not None else logprobs.detach()
-                log_ratio = logprobs - old  # [B, T]
-                if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
-                    log_ratio = sequence_log_ratio(log_ratio, mask)  # [B, 1]
-                policy, clipped = clipped_policy_loss(log_ratio, advantages[mb], args.clip_eps, args.clip_eps_high)
-                loss_policy = aggregate(policy, mask, args.aggregation, denominator)
-                loss = loss_policy
-                if ref_model is not None:  # the KL penalty, weighted by beta
-                    kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs[mb], 0.0), args.kl_estimator)
-                    loss_kl = aggregate(kl, mask, args.aggregation, denominator)
-                    loss = loss_policy + args.kl_coef * loss_kl
-                    sums["loss_kl"] += loss_kl.detach()
-                    sums["kl"] += (kl.detach() * mask).sum()
-                loss.backward()
-                minibatch_loss += loss.detach()
-                with torch.no_grad():
-                    sums["loss"] += loss
-                    sums["loss_policy"] += loss_policy
-                    if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
-                        sums["clipped"] += (clipped * mask).sum()
-                        sums["clip_tokens"] += mask.sum()
-                    sums["tokens"] += mask.sum()
-                    sums["neg_logprob"] -= (logprobs * mask).sum()
-                    ratio = torch.exp(log_ratio).expand_as(mask).masked_fill(mask == 0, 1.0)
-                    ratio_min, ratio_max = torch.minimum(ratio_min, ratio.min()), torch.maximum(ratio_max, ratio.max())
-            # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
-            all_reduce_gradients(list(model.parameters()))
-            if not torch.isfinite(all_reduce(minibatch_loss.clone())):
-                skipped += 1  # never step on a NaN/inf: the weights stay as they were
-                model.zero_grad(set_to_none=True)
-                continue
-            if args.grad_clip > 0:
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
-            for opt in optimizers:
-                opt.step()
-            model.zero_grad(set_to_none=True)
-            stepped = True
-            # A finite loss can still give non-finite weights (an overflowing update). Checked on the device after
-            # every step and read once per batch: NaN and inf survive every later update, so none slips through.
-            params = [p.detach() for p in model.parameters()]
-            weights_finite &= torch.stack([torch.linalg.vector_norm(p, float("inf")) for p in params]).isfinite().all()
-
-    sums = dict(zip(sums, all_reduce(torch.stack(list(sums.values())))))
-    passes = args.ppo_epochs * args.num_minibatches
-    tokens = sums["tokens"].clamp(min=1)
-    return {
-        "loss": (sums["loss"] / passes).item(),
-        "loss_policy": (sums["loss_policy"] / passes).item(),
-        "loss_kl": (sums["loss_kl"] / passes).item() if ref_model is not None else None,
-        "kl": (sums["kl"] / tokens).item() if ref_model is not None else None,
-        "clip_frac": (sums["clipped"] / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None,
-        "ratio_min": all_reduce(ratio_min, dist.ReduceOp.MIN).item(),
-        "ratio_max": all_reduce(ratio_max, dist.ReduceOp.MAX).item(),
-        "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
-        "skipped_updates": skipped,
-        "empty_updates": empty,
-        "weights_finite": bool(all_reduce(weights_finite.int(), dist.ReduceOp.MIN).item()),
-    }, time_logprobs
-
-
-# -----------------------------------------------------------------------------
-# Training
+# The run folder: one process at a time, config and metrics, checkpoints, resume, the one-line stops
 
 # A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-def main(argv=None):
-    args = resolve_config(argv)
-    if args.compare:
-        return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
-    run_dir = os.path.join(args.runs_dir, args.run_name)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        with run_lock(run_dir) if rank == 0 else nullcontext():
-            return train(args, run_dir, rank)
-    except OSError as e:
-        if e.errno not in WRITE_ERRNOS:
-            raise
-        stop(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
-             "free disk space or make the folder writable")
-    except KeyboardInterrupt:
-        stop(run_dir, "interrupted", "")
-
-
 @contextmanager
-def run_lock(run_dir):
+def lock_run_dir(run_dir):
     """One process trains in a run directory at a time: two copies of a command would interleave their writes.
     The kernel drops a flock when its process dies, so the lock of a killed run never blocks the next start."""
     try:
@@ -712,20 +702,14 @@ def run_lock(run_dir):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            sys.exit(f"error: another grpo.py process is running in {run_dir}: wait for it to end, or pass another --run-name")
+            sys.exit(f"error: another grpo.py process is running in {run_dir}: wait for it to end, or pass another "
+                     "--run-name")
         except OSError as e:  # a file system without locks (some network mounts): train anyway, and say so
             print(f"warning: cannot lock {run_dir} ({e.strerror}): nothing keeps a second process out of this run")
         yield
 
 
-def complete_steps(checkpoint_dir):
-    """The steps whose model, meta and training state files were all written: the ones a run can resume from."""
-    return [s for s in checkpoint_steps(checkpoint_dir) if all(
-        os.path.isfile(os.path.join(checkpoint_dir, f"{kind}_{s:06d}.{ext}"))
-        for kind, ext in (("meta", "json"), ("state", "pt")))]
-
-
-def stop(run_dir, problem, remedy):
+def stop_run(run_dir, problem, remedy):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it."""
     found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
                    for s in complete_steps(d))
@@ -740,152 +724,92 @@ def stop(run_dir, problem, remedy):
              f"(or delete {run_dir})")
 
 
-def train(args, run_dir, rank):
-    if not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # every rank, before they meet
-        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
-    # --- distributed setup: torchrun sets these; a plain `python grpo.py` is rank 0 of 1
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    torch.manual_seed(args.seed)
-
-    # --- the run directory and the resolved configuration, printed and saved
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
-    config["world_size"] = world_size
-    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
-
-    # --- tasks, policy, reference, optimizers
-    try:
-        if args.task == "gsm8k":
-            train_task, test_task = GSM8K("train", args.gsm8k_dir), GSM8K("test", args.gsm8k_dir)
-        else:
-            train_task, test_task = Sort("train", args.sort_length, args.seed), Sort("test", args.sort_length, args.seed)
-    except (OSError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
-    model, tokenizer, tag = load_policy(args, log)
-    model.to(device)
-    optimizers = make_optimizers(model, args)
-    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
-    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    start_step = 0
-    if args.resume:
-        start_step = resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device, log)
-        log(f"resumed from step {start_step} of {checkpoint_dir}")
-    kept, wall_before = [], 0.0  # a resumed run drops what was logged after its checkpoint: those steps run again
-    if master and args.resume and os.path.isfile(metrics_path):
+def write_run_files(args, run):
+    """config.json, the tokenizer (the run folder is a nanochat base dir) and metrics.jsonl, on rank 0. A resumed
+    run keeps the metrics up to its checkpoint (the steps after it run again) and rewrites config.json, whose
+    evaluation and saving flags may have changed. -> the wall time of the run's earlier segments."""
+    if not run.master:
+        return 0.0
+    kept = []
+    if args.resume and os.path.isfile(run.metrics_path):
         try:
-            kept = [m for m in read_metrics(metrics_path, log) if m["step"] <= start_step]
+            kept = [m for m in read_metrics(run.metrics_path, run.log) if m["step"] <= run.start_step]
         except ValueError as e:
             sys.exit(f"error: --resume: {e}")
-        wall_before = max((m["wall_time"] for m in kept if "wall_time" in m), default=0.0)  # the earlier segments' time
-    if master:  # config.json is rewritten on resume too: its evaluation and saving flags may have changed
-        for leftover in glob.glob(os.path.join(glob.escape(run_dir), "**", ".tmp_*"), recursive=True):
-            os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
-        atomic_save(config, os.path.join(run_dir, "config.json"))
-        atomic_save(pickle.dumps(tokenizer.enc), os.path.join(run_dir, "tokenizer", "tokenizer.pkl"))  # a nanochat base dir
-        atomic_save("".join(json.dumps(m) + "\n" for m in kept).encode(), metrics_path)
-    wandb_run = None
-    if args.wandb and master:
-        import wandb
-        wandb_run = wandb.init(project=args.wandb, name=args.run_name, config=config)
+    for leftover in glob.glob(os.path.join(glob.escape(run.run_dir), "**", ".tmp_*"), recursive=True):
+        os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
+    atomic_save(run.config, os.path.join(run.run_dir, "config.json"))
+    atomic_save(pickle.dumps(run.tokenizer.enc), os.path.join(run.run_dir, "tokenizer", "tokenizer.pkl"))
+    atomic_save("".join(json.dumps(m) + "\n" for m in kept).encode(), run.metrics_path)
+    return max((m["wall_time"] for m in kept if "wall_time" in m), default=0.0)
 
-    def record(metrics):
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            if wandb_run:
-                wandb_run.log(metrics, step=metrics["step"])
 
-    def run_eval(step, num_examples):
-        model.eval()
-        result = evaluate(model, tokenizer, test_task, num_examples, args, rank, world_size, autocast)
-        log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
-        record({"step": step, **result})
-        return result
+def record(run, metrics):
+    if run.master:
+        with open(run.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if run.wandb:
+            run.wandb.log(metrics, step=metrics["step"])
 
-    if args.eval_only:
-        result = run_eval(start_step, args.final_eval_examples)
-        leave_process_group()
-        return result
-    if start_step == 0 and args.eval_every:
-        run_eval(0, args.eval_examples)
-    bad_steps, run_start = 0, time.time() - wall_before
-    for step in range(start_step, args.num_steps):
-        step_start = time.time()
-        lr_multiplier = 1.0 - step / args.num_steps  # linear decay to zero, as nanochat
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
-        if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
-            ref_model.load_state_dict(model.state_dict())  # DeepSeekMath's iterative variant
 
-        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
-        model.eval()
-        indices = prompt_indices(step, rank, world_size, args, len(train_task))
-        seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
-        groups = sample_groups(model, tokenizer, train_task, indices, seeds, args, autocast)
-        rounds = 1
-        if args.dynamic_sampling:
-            groups, rounds = dynamic_sampling(groups, model, tokenizer, train_task, step, rank, args, autocast)
-        prompts, samples, rewards, penalty = groups["prompts"], groups["samples"], groups["rewards"], groups["penalty"]
-        time_sample = time.time() - step_start
-
-        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
-        batch = {k: v.to(device) for k, v in make_batch(prompts, samples, rewards + penalty, args).items()}
-        update_start = time.time()
-        stats, time_logprobs = policy_update(model, optimizers, batch, args, autocast, ref_model)
-        weights_finite = stats.pop("weights_finite")
-        time_update = time.time() - update_start - time_logprobs
-
-        # 6. Log, evaluate, save.
-        counts = all_reduce(torch.tensor([len(prompts), rewards.numel(), rewards.sum(), (rewards + penalty).std(dim=1).sum(),
-                                          batch["equal_groups"].sum(), samples["lengths"].sum().item(),
-                                          samples["truncated"].sum().item(), penalty.sum(), rounds, rounds * len(prompts)],
-                                         dtype=torch.float64, device=device)).tolist()
-        groups, replies = counts[0], counts[1]
-        metrics = {"step": step + 1, "reward": counts[2] / replies, "reward_group_std": counts[3] / groups,
-                   "equal_group_frac": counts[4] / groups, **stats, "reply_len": counts[5] / replies,
-                   "truncated_frac": counts[6] / replies, "overlong_penalty": counts[7] / replies,
-                   "sampling_rounds": counts[8] / world_size, "questions_drawn": counts[9], "lr_multiplier": lr_multiplier,
-                   "time_sample": time_sample, "time_logprobs": time_logprobs, "time_update": time_update,
-                   "tokens_per_s": counts[5] / time_sample,
-                   "peak_mem_mb": (torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda"
-                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                   "wall_time": time.time() - run_start}
-        record(metrics)
-        log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups {metrics['equal_group_frac']:.2f} "
-            f"| len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
+def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
+    """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
+    task_rewards, samples = groups["task_rewards"], groups["samples"]
+    local = dict(groups=len(groups["prompts"]), replies=task_rewards.numel(), reward=task_rewards.sum(),
+                 reward_group_std=groups["rewards"].std(dim=1).sum(), equal_groups=batch["equal_groups"].sum(),
+                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
+                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
+    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
+                                                   device=run.device)).tolist()))  # over all ranks
+    weights_finite = stats.pop("weights_finite")
+    metrics = {"step": step + 1, "reward": sums["reward"] / sums["replies"],
+               "reward_group_std": sums["reward_group_std"] / sums["groups"],
+               "equal_group_frac": sums["equal_groups"] / sums["groups"], **stats,
+               "reply_len": sums["tokens"] / sums["replies"], "truncated_frac": sums["truncated"] / sums["replies"],
+               "overlong_penalty": sums["overlong_penalty"] / sums["replies"],
+               "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
+               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens"] / times["time_sample"],
+               "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
+                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+               "wall_time": time.time() - run.wall_start}
+    record(run, metrics)
+    run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
+            f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
             + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
-            + f" | {time.time() - step_start:.2f}s (sample {time_sample:.2f}, "
-              f"logprobs {time_logprobs:.2f}, update {time_update:.2f}) | {metrics['tokens_per_s']:.0f} tok/s")
-        bad_steps = bad_steps + 1 if stats["skipped_updates"] else 0
-        if stats["skipped_updates"]:
-            log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
-        if not weights_finite or bad_steps >= args.max_bad_steps:
-            stop(run_dir, f"step {step + 1}: " + ("the update made weights non-finite (NaN or inf)" if not weights_finite
-                                                   else f"{bad_steps} steps in a row had a non-finite loss")
-                 + "; stopped without saving", "lower the learning rates or set --grad-clip (a resumed run may change those)")
-        last = step + 1 == args.num_steps
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-            run_eval(step + 1, args.final_eval_examples if last else args.eval_examples)
-        if master and not bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            save_training_state(run_dir, tag, step + 1, model, ref_model, optimizers, config)
-    log(f"done: {args.num_steps} steps in {time.time() - run_start:.0f}s; metrics in {metrics_path}")
-    if master:  # the summary: this run as a one-row comparison table, and its curves
-        compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
-    leave_process_group()
-    return model
+            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
+              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
+              f"| {metrics['tokens_per_s']:.0f} tok/s")
+    run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
+    if stats["skipped_updates"]:
+        run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
+    if not weights_finite or run.bad_steps >= args.max_bad_steps:
+        problem = ("the update made weights non-finite (NaN or inf)" if not weights_finite
+                   else f"{run.bad_steps} steps in a row had a non-finite loss")
+        stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
+                 "lower the learning rates or set --grad-clip (a resumed run may change those)")
+    last = step + 1 == args.num_steps
+    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+        run_eval(args, run, step + 1, args.final_eval_examples if last else args.eval_examples)
+    if run.master and not run.bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+        save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, run.optimizers, run.config)
+
+
+def complete_steps(checkpoint_dir):
+    """The steps whose model, meta and training state files were all written: the ones a run can resume from."""
+    return [s for s in checkpoint_steps(checkpoint_dir) if all(
+        os.path.isfile(os.path.join(checkpoint_dir, f"{kind}_{s:06d}.{ext}"))
+        for kind, ext in (("meta", "json"), ("state", "pt")))]
+
+
+def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config):
+    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
+    # the resume state first, the model after: a step counts as saved once its model file exists
+    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                 "master_weights": master_weights(model),
+                 "ref_model": ref_model.state_dict() if ref_model is not None else None},
+                os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
+    save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
 
 
 # Flags that a resumed run may change: where the run lives (a moved or copied run folder resumes), and what is
@@ -897,54 +821,57 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
 
 
-def resume(run_dir, checkpoint_dir, config, model, ref_model, optimizers, device, log):
+def resume(run):
     """Load the run's latest complete checkpoint into model, reference and optimizers -> its step."""
+    checkpoint_dir, config = run.checkpoint_dir, run.config
     saved = complete_steps(checkpoint_dir)
     if not saved:
         sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
-    config_path = os.path.join(run_dir, "config.json")
+    config_path = os.path.join(run.run_dir, "config.json")
     try:
         with open(config_path, encoding="utf-8") as f:
             run_config = json.load(f)
         if not isinstance(run_config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start a "
-                 f"new run from the checkpoint with --init {checkpoint_dir}")
+        sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
+                 f"a new run from the checkpoint with --init {checkpoint_dir}")
     differing = sorted(k for k in set(run_config) | set(config) if k != "resumed_with"
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
     refused = [k for k in differing if k not in STEP_SIZES]
     if refused:
-        sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): pass the original flags")
+        sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
+                 "pass the original flags")
     step = saved[-1]
     changes = {k: [run_config.get(k), config[k]] for k in differing}
     history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
     if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
         config["resumed_with"] = history
     if changes:
-        log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
-            + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
+        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+                + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
     files = ", ".join(os.path.join(checkpoint_dir, f"{kind}_{step:06d}.{ext}") for kind, ext in
                       (("model", "pt"), ("meta", "json"), ("state", "pt")))
     earlier = f"delete its files ({files}) to resume from step {saved[-2]}" if len(saved) > 1 else "it is the only one"
     state_path = os.path.join(checkpoint_dir, f"state_{step:06d}.pt")
-    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in optimizers]
+    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
     try:
-        model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
-        state = load_tensors(state_path, device)
-        model.load_state_dict(state["master_weights"], strict=False)  # what the file's bf16 embeddings rounded away
-        if len(state["optimizers"]) != len(optimizers):
-            raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has {len(optimizers)}")
-        for opt, opt_state in zip(optimizers, state["optimizers"]):
+        run.model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
+        state = load_tensors(state_path, run.device)
+        run.model.load_state_dict(state["master_weights"], strict=False)  # what the file's bf16 embeddings rounded away
+        if len(state["optimizers"]) != len(run.optimizers):
+            raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has "
+                             f"{len(run.optimizers)}")
+        for opt, opt_state in zip(run.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
-        if ref_model is not None:
-            ref_model.load_state_dict(state["ref_model"])
+        if run.ref_model is not None:
+            run.ref_model.load_state_dict(state["ref_model"])
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: --resume: the checkpoint of step {step} is damaged: {e}; {earlier}")
     except (KeyError, TypeError, RuntimeError) as e:  # a readable file that is not this run's training state
         sys.exit(f"error: --resume: {state_path} is not this run's training state ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:160]}); {earlier}")
-    for opt, lrs in zip(optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
+    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
         for group, lr in zip(opt.param_groups, lrs):
             group["initial_lr"] = lr
     return step
@@ -973,26 +900,208 @@ def read_metrics(path, log=print):
 
 
 # -----------------------------------------------------------------------------
-# Comparing runs
+# The statistics of one policy_update: summed on the device, read once when the update ends
 
-def eval_score_key(config):
-    return "eval_reward" if config["task"] == "sort" else "eval_strict"
+def update_stats(device):
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "clip_tokens", "tokens", "kl",
+                                      "neg_logprob")}
+    return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), grad_norms=[],
+                skipped_updates=0, empty_updates=0, stepped=False,
+                weights_finite=torch.ones((), dtype=torch.bool, device=device))
 
+
+@torch.no_grad()
+def add_micro_batch_stats(stats, loss, parts, mask):
+    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]."""
+    sums = stats["sums"]
+    sums["loss"] += loss
+    sums["loss_policy"] += parts["loss_policy"]
+    if "kl" in parts:
+        sums["loss_kl"] += parts["loss_kl"]
+        sums["kl"] += (parts["kl"] * mask).sum()
+    if stats["stepped"]:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
+        sums["clipped"] += (parts["clipped"] * mask).sum()
+        sums["clip_tokens"] += mask.sum()
+    sums["tokens"] += mask.sum()
+    sums["neg_logprob"] -= (parts["logprobs"] * mask).sum()
+    ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
+    stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
+    stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
+
+
+def finish_update_stats(stats, args, with_kl):
+    """-> the update's metrics, reduced over ranks: means over passes (losses) or over policy tokens."""
+    sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
+    passes = args.ppo_epochs * args.num_minibatches
+    tokens = sums["tokens"].clamp(min=1)
+    grad_norms = stats["grad_norms"]
+    return {
+        "loss": (sums["loss"] / passes).item(),
+        "loss_policy": (sums["loss_policy"] / passes).item(),
+        "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
+        "kl": (sums["kl"] / tokens).item() if with_kl else None,
+        "clip_frac": (sums["clipped"] / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None,
+        "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
+        "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
+        "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
+        "skipped_updates": stats["skipped_updates"],
+        "empty_updates": stats["empty_updates"],
+        "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
+    }
+
+
+def weights_are_finite(model):
+    """-> a bool tensor on the device (no host sync): every weight is finite."""
+    norms = [torch.linalg.vector_norm(p.detach(), float("inf")) for p in model.parameters()]
+    return torch.stack(norms).isfinite().all()
+
+
+# -----------------------------------------------------------------------------
+# Evaluation: greedy and sampled, every rank takes its share of the problems
+
+def run_eval(args, run, step, num_examples):
+    run.model.eval()
+    result = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank, run.world_size,
+                      run.autocast)
+    run.log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in result.items()))
+    record(run, {"step": step, **result})
+    return result
+
+
+def reply_text(tokenizer, samples, row):
+    """A sampled reply as text for the grader, without its stop token."""
+    length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
+    return tokenizer.decode(samples["tokens"][row, :length].tolist())
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
+    """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
+    samples. Rank r takes problems r, r + world_size, ...; the sums are reduced over ranks."""
+    n = len(task) if num_examples < 0 else min(num_examples, len(task))
+    mine = list(range(rank, n, world_size))
+    names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
+    totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
+    start, chunk = time.time(), 32
+    for i in range(0, len(mine), chunk):
+        conversations = [task[j] for j in mine[i:i + chunk]]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        with autocast:
+            greedy = generate(model, tokenizer, prompts, 1, args.max_new_tokens, temperature=0, tool=task.tool)
+            sampled = generate(model, tokenizer, prompts, args.pass_k, args.max_new_tokens, args.temperature,
+                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]],
+                               tool=task.tool) if args.pass_k else None
+        for p, conversation in enumerate(conversations):
+            reply = reply_text(tokenizer, greedy, p)
+            metrics = task.eval_metrics(conversation, reply)
+            totals[:2 + len(names)] += torch.tensor([1, task.reward(conversation, reply)] + [metrics[k] for k in names],
+                                                    dtype=torch.float64)
+            if sampled is not None:
+                correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
+                              for g in range(args.pass_k))
+                totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
+                                                         for k in range(1, args.pass_k + 1)])
+        progress("eval", min(i + chunk, len(mine)), len(mine), start)
+    totals = all_reduce(totals.to(model.lm_head.weight.device))  # NCCL reduces GPU tensors only
+    count = totals[0].clamp(min=1)
+    result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item()}
+    result.update({f"eval_{name}": (totals[2 + j] / count).item() for j, name in enumerate(names)})
+    result.update({f"eval_pass@{k}": (totals[1 + len(names) + k] / count).item() for k in range(1, args.pass_k + 1)})
+    return result
+
+
+def progress(label, done, total, start):
+    """Progress with time left, redrawn in place on a terminal; silent in log files."""
+    if sys.stdout.isatty() and int(os.environ.get("RANK", "0")) == 0:
+        elapsed = time.time() - start
+        left = elapsed / done * (total - done) if done else 0
+        print(f"\r{label}: {done}/{total} ({elapsed:.0f}s, ~{left:.0f}s left)", end="" if done < total else "\n",
+              flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Data order and distributed helpers (identity in a single process)
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(num_examples, seed, epoch):
+    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+
+
+def prompt_indices(step, rank, world_size, args, num_examples):
+    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
+    picks up exactly where it stopped. Epoch 0 keeps the task's own (seeded) order, later epochs reshuffle."""
+    per_rank = args.prompts_per_step // world_size
+    first = step * args.prompts_per_step + rank * per_rank
+    indices = []
+    for g in range(first, first + per_rank):
+        epoch, i = divmod(g, num_examples)
+        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch)[i])
+    return indices
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_reduce_gradients(params, bucket_bytes=64 * 2 ** 20):
+    """Sum the gradients over ranks in a few large flat buckets: one collective per bucket rather than one per
+    tensor (a 20-layer model has over a hundred), each element summed exactly as a per-tensor reduce sums it."""
+    if not dist.is_initialized():
+        return
+    buckets, size = [[]], 0
+    for p in params:
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+    for grads in buckets:
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+
+
+def leave_process_group():
+    if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# Comparing runs: --compare, and the summary at the end of every run
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed",) + NOT_TRAJECTORY
+COMPARE_HEADER = ["run", "algo", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval",
+                  "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
+
+
+def eval_score_key(config):
+    return f"eval_{TASKS[config['task']].score}"
 
 
 def compare_runs(run_dirs, plot_path):
     """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed. Runs that
-    differ only in --seed are one configuration: one row of mean ± std over its seeds, one mean curve with a ±std band."""
+    differ only in --seed are one configuration: one row of mean ± std over its seeds, one mean curve with a ±std
+    band."""
     configurations = {}  # the flags that make a configuration -> [(run_dir, config, metrics)], one per seed
     for run_dir in run_dirs:
         try:
             with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
             metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-            if not isinstance(config, dict) or not {"task", "algo"} <= set(config):
+            if not isinstance(config, dict) or not {"task", "algo"} <= set(config) or config["task"] not in TASKS:
                 raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
@@ -1002,66 +1111,78 @@ def compare_runs(run_dirs, plot_path):
     for seeds in configurations.values():  # a folder name, without the seed when there are several seeds
         name = os.path.basename(os.path.normpath(seeds[0][0]))
         names.append(re.sub(r"-seed\d+$", "", name) if len(seeds) > 1 else name)
-    clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add their parent
-    names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes else name
-             for name, seeds in zip(names, configurations.values())]
-
-    def column(metrics, key):
-        return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
-
-    def summary(config, metrics):  # one run's numbers, in the order of the header below, from "steps" on
-        train = [m for m in metrics if "reward" in m]
-        evals = column(metrics, eval_score_key(config))
-        pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
-        last = lambda key: train[-1].get(key) if train else None  # noqa: E731
-
-        def mean_of(key):  # over the steps that logged it
-            values = [m[key] for m in train if m.get(key) is not None]
-            return sum(values) / len(values) if values else None
-
-        return [len(train), sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
-                max((m["reward"] for m in train), default=None),
-                evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
-                metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-                last("kl"), mean_of("clip_frac"), last("reply_len"),
-                last("wall_time"), mean_of("tokens_per_s")]
-
-    def across_seeds(values):  # one value, or (mean, std) over the seeds that have one
-        values = [v for v in values if v is not None]
-        if len(values) <= 1 or (len(set(values)) == 1 and isinstance(values[0], int)):  # e.g. every seed ran N steps
-            return values[0] if values else None
-        return (sum(values) / len(values), torch.tensor(values, dtype=torch.float64).std().item())
-
-    def fmt(value):
-        if isinstance(value, tuple):
-            return f"{value[0]:.3f}±{value[1]:.3f}"
-        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    header = ["run", "algo", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval", "pass@1",
-              "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
-    table = [header]
+    clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
+    names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
+             else name for name, seeds in zip(names, configurations.values())]
+    table = [COMPARE_HEADER]
     for name, seeds in zip(names, configurations.values()):
-        per_seed = [summary(config, metrics) for _, config, metrics in seeds]
+        per_seed = [run_summary(config, metrics) for _, config, metrics in seeds]
         table.append([name, seeds[0][1]["algo"], len(seeds)] + [across_seeds(values) for values in zip(*per_seed)])
-    widths = [max(len(fmt(row[i])) for row in table) for i in range(len(header))]
+    widths = [max(len(fmt(row[i])) for row in table) for i in range(len(COMPARE_HEADER))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
-    print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K accuracy; "
-          "pass@k from --pass-k samples; a±b = mean ± std over the seeds")
+    print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K "
+          "accuracy; pass@k from --pass-k samples; a±b = mean ± std over the seeds")
+    plot_runs(names, list(configurations.values()), plot_path)
+    return table
+
+
+def metric_column(metrics, key):
+    return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+
+
+def run_summary(config, metrics):
+    """One run's numbers, in the order of COMPARE_HEADER from "steps" on."""
+    train = [m for m in metrics if "reward" in m]
+    evals = metric_column(metrics, eval_score_key(config))
+    pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
+
+    def last(key):
+        return train[-1].get(key) if train else None
+
+    def mean_of(key):  # over the steps that logged it
+        values = [m[key] for m in train if m.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return [len(train), sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
+            max((m["reward"] for m in train), default=None),
+            evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
+            metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
+            last("kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"), mean_of("tokens_per_s")]
+
+
+def across_seeds(values):
+    """One value, or (mean, std) over the seeds that have one."""
+    values = [v for v in values if v is not None]
+    if len(values) <= 1 or (len(set(values)) == 1 and isinstance(values[0], int)):  # e.g. every seed ran N steps
+        return values[0] if values else None
+    return (sum(values) / len(values), torch.tensor(values, dtype=torch.float64).std().item())
+
+
+def fmt(value):
+    if isinstance(value, tuple):
+        return f"{value[0]:.3f}±{value[1]:.3f}"
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def plot_runs(names, configurations, plot_path):
+    """Train reward, eval score, KL and reply length against step: one colour per configuration, the mean over
+    its seeds with a ±std band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)")
-        return table
-    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"), ("reply_len", "reply length")]
+        return
+    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"),
+              ("reply_len", "reply length")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, title) in zip(axes.flat, panels):
-        for i, (name, seeds) in enumerate(zip(names, configurations.values())):  # one colour per configuration
+        for i, (name, seeds) in enumerate(zip(names, configurations)):
             by_step = {}
             for _, config, metrics in seeds:
-                for step, value in column(metrics, key or eval_score_key(config)):
+                for step, value in metric_column(metrics, key or eval_score_key(config)):
                     by_step.setdefault(step, []).append(value)
             steps = [s for s in sorted(by_step) if len(by_step[s]) == len(seeds)]  # where every seed has a value
             if not steps:
@@ -1083,7 +1204,6 @@ def compare_runs(run_dirs, plot_path):
     fig.savefig(plot_path, dpi=110)
     plt.close(fig)  # a long-lived process (the tests, a notebook) would otherwise keep every figure
     print(f"plot: {plot_path}")
-    return table
 
 
 if __name__ == "__main__":

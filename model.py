@@ -1,18 +1,17 @@
 """
-The nanochat GPT, its chat tokenizer, checkpoint I/O and a batched KV-cache sampler.
+The nanochat GPT, its batched KV-cache sampler and chat tokenizer; below a banner, nanochat's files.
 
-Everything the trainer needs about the policy lives in this file:
-- GPT: the nanochat architecture (rotary, QK-norm, ReLU^2 MLP, untied head, logit softcap, GQA),
-  able to load nanochat checkpoints as they are on disk;
-- Tokenizer: a thin chat wrapper over tiktoken (nanochat's tokenizer.pkl, or a byte-level one);
-- find_checkpoint / load_checkpoint / save_checkpoint: nanochat's on-disk layout, atomic writes;
-- generate: many prompts x many samples in one batch, with a KV cache and the calculator tool.
+Read from the top:
+- GPT: nanochat's architecture (rotary, QK-norm, ReLU^2 MLP, untied head, logit softcap, GQA) in every generation
+  nanochat has written checkpoints of, its differences one table of constants (GENERATIONS);
+- generate: many prompts x many samples in one batch, with a KV cache and an optional tool (GSM8K's calculator);
+- Tokenizer: a thin chat wrapper over tiktoken (nanochat's tokenizer.pkl, or a byte-level one).
+Below the banner: which generation a checkpoint is, nanochat's on-disk layout (find / load / save, atomic writes)
+and the safe reader of tokenizer.pkl.
 """
-import ast
 import glob
 import json
 import math
-import operator
 import os
 import pickle
 import re
@@ -25,123 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-# -----------------------------------------------------------------------------
-# Tokenizer
-
-SPECIAL_TOKENS = [
-    "<|bos|>",  # starts every document
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",  # the assistant calls the calculator
-    "<|output_start|>", "<|output_end|>",  # the calculator's answer, forced into the reply
-]
-
-
-class _EncodingState:
-    """Stands in for tiktoken's Encoding while a tokenizer.pkl is read: it keeps the pickled state, runs nothing."""
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-class _TokenizerUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) == ("tiktoken.core", "Encoding"):
-            return _EncodingState
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which no tokenizer needs (refused: unpickling it could run code)")
-
-
-class Tokenizer:
-    """A tiktoken Encoding plus nanochat's chat format."""
-
-    def __init__(self, enc):
-        missing = [s for s in SPECIAL_TOKENS if s not in enc.special_tokens_set]
-        if missing:
-            raise ValueError(f"tokenizer lacks the chat special tokens {missing}; is this a nanochat tokenizer?")
-        self.enc = enc
-        self.vocab_size = enc.n_vocab
-        self.bos, self.user_start, self.user_end, self.assistant_start, self.assistant_end, \
-            self.python_start, self.python_end, self.output_start, self.output_end = \
-            [enc.encode_single_token(s) for s in SPECIAL_TOKENS]
-
-    @classmethod
-    def from_file(cls, path):
-        """nanochat's tokenizer.pkl is a pickled tiktoken.Encoding. It is read without running anything it names:
-        the only class it may mention is tiktoken's Encoding, whose state (a name, a split pattern and two
-        vocabularies) is checked and handed to tiktoken here, never through the pickle's own machinery."""
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer at {path} (nanochat writes it to <base>/tokenizer/tokenizer.pkl)")
-        try:
-            with open(path, "rb") as f:
-                encoding = _TokenizerUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
-            raise ValueError(f"{path} is not a nanochat tokenizer.pkl ({type(e).__name__}: {e}); copy it again from "
-                             "<nanochat base>/tokenizer/") from None
-        state = getattr(encoding, "state", None)
-        if not (isinstance(state, dict) and set(state) == {"name", "pat_str", "mergeable_ranks", "special_tokens"}
-                and isinstance(state["name"], str) and isinstance(state["pat_str"], str)
-                and all(isinstance(k, bytes) and isinstance(v, int) for k, v in state["mergeable_ranks"].items())
-                and all(isinstance(k, str) and isinstance(v, int) for k, v in state["special_tokens"].items())):
-            raise ValueError(f"{path} does not hold a tiktoken encoding of nanochat's kind (name, pattern and vocabularies)")
-        return cls(tiktoken.Encoding(**state))
-
-    @classmethod
-    def byte_level(cls):
-        """256 byte tokens plus the chat special tokens: no file, no training, for models from scratch."""
-        enc = tiktoken.Encoding(
-            name="nanogrpo-bytes",
-            pat_str=r"\S+|\s+",
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)},
-        )
-        return cls(enc)
-
-    def encode(self, text):
-        # Special-token strings inside user or model text are plain text, never control tokens.
-        return self.enc.encode_ordinary(text)
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids), errors="replace")
-
-    def render_conversation(self, conversation):
-        """Token ids and a mask for a whole conversation; mask 1 marks what the assistant produced."""
-        messages = conversation["messages"]
-        if messages[0]["role"] == "system":  # nanochat folds a system message into the first user turn
-            messages = [dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])] + messages[2:]
-        ids, mask = [self.bos], [0]
-
-        def add(tokens, m):
-            ids.extend(tokens)
-            mask.extend([m] * len(tokens))
-
-        for message in messages:
-            content = message["content"]
-            if message["role"] == "user":
-                add([self.user_start] + self.encode(content) + [self.user_end], 0)
-                continue
-            add([self.assistant_start], 0)
-            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-            for part in parts:
-                if part["type"] == "text":
-                    add(self.encode(part["text"]), 1)
-                elif part["type"] == "python":
-                    add([self.python_start] + self.encode(part["text"]) + [self.python_end], 1)
-                elif part["type"] == "python_output":  # the tool wrote it, so the policy is never trained on it
-                    add([self.output_start] + self.encode(part["text"]) + [self.output_end], 0)
-                else:
-                    raise ValueError(f"unknown assistant part type {part['type']!r}")
-            add([self.assistant_end], 1)
-        return ids, mask
-
-    def render_for_completion(self, conversation):
-        """The prompt: the conversation up to and including <|assistant_start|>, without any assistant answer."""
-        messages = conversation["messages"]
-        if messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        ids, _ = self.render_conversation({"messages": messages})
-        return ids + [self.assistant_start]
-
 
 # -----------------------------------------------------------------------------
 # The GPT, in every generation that nanochat has written checkpoints of
@@ -167,7 +49,7 @@ class Generation:
     softcap: float = 15.0  # logits = softcap * tanh(logits / softcap)
     rotary_base: float = 10000.0
     rotary_bf16: bool = True  # cos/sin tables rounded to bfloat16 even in a float32 forward (until 2026-03-04)
-    short_window: Callable[[int], int] | None = None  # sequence_len -> the keys an `S` layer sees back; None: full causal attention
+    short_window: Callable[[int], int] | None = None  # sequence_len -> keys an `S` layer sees back; None: full causal
     lambdas: bool = False  # before block i: x = resid_lambdas[i] * x + x0_lambdas[i] * x0
     value_embeds: bool = False  # every other layer, ending with the last: v += gate * value_embeds[i](idx)
     ve_gate_channels: int = 32  # the gate reads this many leading channels of the attention input...
@@ -315,7 +197,7 @@ class GPT(nn.Module):
         gen = self.generation = GENERATIONS[generation]
         V = padded_vocab_size or ((config.vocab_size + 63) // 64 * 64 if gen.padded_vocab else config.vocab_size)
         L, kv_dim = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
-        # Per-layer attention reach: `L` layers see sequence_len keys back, `S` layers fewer; the last layer is always L.
+        # Per-layer attention reach: `L` layers see sequence_len keys back, `S` layers fewer; the last layer is L.
         if gen.short_window:
             if not config.window_pattern or set(config.window_pattern) - set("SL"):
                 raise ValueError(f"window_pattern {config.window_pattern!r} must be a string of S and L")
@@ -360,7 +242,8 @@ class GPT(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.001)
             else:
                 fan_in = p.size(1)
-                p.copy_(torch.randn(p.shape, generator=gen) * min(1.0, math.sqrt(p.size(0) / fan_in)) / math.sqrt(fan_in))
+                gain = min(1.0, math.sqrt(p.size(0) / fan_in))
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / math.sqrt(fan_in))
         return self
 
     def attention_masks(self, T, cache, device):
@@ -393,7 +276,8 @@ class GPT(nn.Module):
         positions, masks = self.attention_masks(T, cache, idx.device)
         cos_sin = rotary_tables(positions, self.config.n_embd // self.config.n_head, gen.rotary_base, gen.rotary_bf16)
         device_type = idx.device.type  # cast once to the dtype q and k will have, not twice in every layer
-        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+        autocast = torch.is_autocast_enabled(device_type)
+        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else torch.float32
         cos_sin = tuple(table.to(compute_dtype) for table in cos_sin)
         x = norm(self.transformer.wte(idx))
         if gen.smear_backout:
@@ -449,6 +333,198 @@ class GPT(nn.Module):
         return torch.cat(out).view_as(targets)
 
 
+
+# -----------------------------------------------------------------------------
+# The sampler
+
+def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
+    """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N].
+    temperature 0 is greedy.
+
+    The softcap is monotonic, so greedy and the top-k set can be read off the raw logits and the
+    softcap applied to the k survivors only: over a 65,536 vocabulary that, and sampling by inverse
+    CDF rather than torch.multinomial, is most of the sampler's time on a CPU."""
+    if temperature == 0:
+        return raw_logits.argmax(dim=-1)
+    if top_k:
+        values, indices = torch.topk(raw_logits, min(top_k, raw_logits.size(-1)), dim=-1)  # [N, k]
+    else:
+        values, indices = raw_logits, None
+    cdf = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1).cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
+    return (choice if indices is None else indices.gather(1, choice)).squeeze(1)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
+             tool=None):
+    """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
+    `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
+    <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
+
+    Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
+      tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
+      mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
+        tool forced it and on padding;
+      lengths [N]: reply length including the stop token and forced tokens;
+      truncated [N]: the reply hit max_new_tokens before a stop token.
+    They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
+    device = model.lm_head.weight.device
+    P, G = len(prompts), num_samples
+    N = P * G
+    # All randomness is drawn up front from one generator per prompt, seeded `seed + p` (or seed[p]): a
+    # prompt's samples do not depend on which other prompts share the batch, or on which rank runs it.
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
+    noise = torch.cat([torch.rand(G, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    noise = noise.to(device)
+
+    # Prefill every prompt once, left-padded so that all rows end at the same column.
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
+    logits = model(idx, cache, softcap=False)[:, -1]  # [P, V]
+    # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
+    shared = torch.arange(P, device=device).repeat_interleave(G)
+    cache.select(shared)
+    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0], model.generation.softcap)  # [N]
+
+    tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
+    mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
+    lengths = torch.full((N,), max_new_tokens, device=device)
+    truncated = torch.ones(N, dtype=torch.bool, device=device)
+    rows = torch.arange(N, device=device)  # which output row each row of the running batch is
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
+    num_forced = torch.zeros(N, dtype=torch.long, device=device)
+    stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
+
+    # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
+    for t in range(max_new_tokens):
+        is_forced = num_forced > 0
+        token = torch.where(is_forced, forced[:, 0] if forced.size(1) else sampled, sampled).masked_fill(done, 0)
+        forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
+        tokens[rows, t] = token
+        mask[rows, t] = (~is_forced & ~done).long()
+        stopped = ~done & ~is_forced & torch.isin(token, stop_ids)
+        lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
+        truncated[rows] &= ~stopped
+        done |= stopped
+        calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
+        # One host sync per step for the whole batch, not one per row.
+        num_running, any_call = torch.stack([(~done).sum(), calls.any()]).tolist()
+        if num_running == 0 or t == max_new_tokens - 1:
+            break
+        if any_call:  # the tool runs only for the rows that just closed a python block
+            for i in calls.nonzero().flatten().tolist():
+                reply = tokens[rows[i], :t].tolist()
+                starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
+                result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
+                if result is not None:
+                    queue = [tokenizer.output_start] + tokenizer.encode(result) + [tokenizer.output_end]
+                    if len(queue) > forced.size(1):
+                        forced = F.pad(forced, (0, len(queue) - forced.size(1)))
+                    forced[i, :len(queue)] = torch.tensor(queue, device=device)
+                    num_forced[i] = len(queue)
+        if num_running <= 0.75 * done.numel():  # finished rows leave the batch rather than keep it busy
+            keep = (~done).nonzero().flatten()
+            cache.select(keep)
+            rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
+        logits = model(token[:, None], cache, softcap=False)[:, -1]
+        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1], model.generation.softcap)
+    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated).items()}
+
+
+# -----------------------------------------------------------------------------
+# Chat format: the tokenizer
+
+SPECIAL_TOKENS = [
+    "<|bos|>",  # starts every document
+    "<|user_start|>", "<|user_end|>",
+    "<|assistant_start|>", "<|assistant_end|>",
+    "<|python_start|>", "<|python_end|>",  # the assistant calls the calculator
+    "<|output_start|>", "<|output_end|>",  # the calculator's answer, forced into the reply
+]
+
+
+
+class Tokenizer:
+    """A tiktoken Encoding plus nanochat's chat format."""
+
+    def __init__(self, enc):
+        missing = [s for s in SPECIAL_TOKENS if s not in enc.special_tokens_set]
+        if missing:
+            raise ValueError(f"tokenizer lacks the chat special tokens {missing}; is this a nanochat tokenizer?")
+        self.enc = enc
+        self.vocab_size = enc.n_vocab
+        self.bos, self.user_start, self.user_end, self.assistant_start, self.assistant_end, \
+            self.python_start, self.python_end, self.output_start, self.output_end = \
+            [enc.encode_single_token(s) for s in SPECIAL_TOKENS]
+
+    @classmethod
+    def from_file(cls, path):
+        """nanochat's tokenizer.pkl, read without running anything it names (read_tokenizer_pkl, below)."""
+        return cls(read_tokenizer_pkl(path))
+
+    @classmethod
+    def byte_level(cls):
+        """256 byte tokens plus the chat special tokens: no file, no training, for models from scratch."""
+        enc = tiktoken.Encoding(
+            name="nanogrpo-bytes",
+            pat_str=r"\S+|\s+",
+            mergeable_ranks={bytes([i]): i for i in range(256)},
+            special_tokens={s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)},
+        )
+        return cls(enc)
+
+    def encode(self, text):
+        # Special-token strings inside user or model text are plain text, never control tokens.
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids), errors="replace")
+
+    def render_conversation(self, conversation):
+        """Token ids and a mask for a whole conversation; mask 1 marks what the assistant produced."""
+        ids, mask = [self.bos], [0]
+
+        def add(tokens, m):
+            ids.extend(tokens)
+            mask.extend([m] * len(tokens))
+
+        for message in conversation["messages"]:
+            content = message["content"]
+            if message["role"] == "user":
+                add([self.user_start] + self.encode(content) + [self.user_end], 0)
+                continue
+            add([self.assistant_start], 0)
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts:
+                if part["type"] == "text":
+                    add(self.encode(part["text"]), 1)
+                elif part["type"] == "python":
+                    add([self.python_start] + self.encode(part["text"]) + [self.python_end], 1)
+                elif part["type"] == "python_output":  # the tool wrote it, so the policy is never trained on it
+                    add([self.output_start] + self.encode(part["text"]) + [self.output_end], 0)
+                else:
+                    raise ValueError(f"unknown assistant part type {part['type']!r}")
+            add([self.assistant_end], 1)
+        return ids, mask
+
+    def render_for_completion(self, conversation):
+        """The prompt: the conversation up to and including <|assistant_start|>, without any assistant answer."""
+        messages = conversation["messages"]
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        ids, _ = self.render_conversation({"messages": messages})
+        return ids + [self.assistant_start]
+
+
+# =============================================================================
+# nanochat's files: which generation a checkpoint is, checkpoint I/O in nanochat's layout, atomic writes, and
+# the safe reader of tokenizer.pkl. Nothing here is needed to follow the model or the sampler above.
+# =============================================================================
+
 # -----------------------------------------------------------------------------
 # Checkpoints, in nanochat's layout: <base>/<source>_checkpoints/<tag>/{model,meta}_<step:06d>.{pt,json}
 
@@ -456,9 +532,9 @@ def nanochat_base_dir():
     return os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
 
 
-def find_checkpoint(base_dir=None, source="chatsft", tag=None, step=None):
-    """-> (checkpoint_dir, step). Defaults: the largest d<N> tag, then its largest step."""
-    root = os.path.join(base_dir or nanochat_base_dir(), f"{source}_checkpoints")
+def find_checkpoint(base_dir=None, tag=None):
+    """-> the folder of nanochat's chat SFT checkpoints with this tag; by default the largest d<N>."""
+    root = os.path.join(base_dir or nanochat_base_dir(), "chatsft_checkpoints")
     if tag is None:
         tags = [t for t in (os.listdir(root) if os.path.isdir(root) else []) if os.path.isdir(os.path.join(root, t))]
         depth_tags = [t for t in tags if re.fullmatch(r"d\d+", t)]
@@ -469,7 +545,7 @@ def find_checkpoint(base_dir=None, source="chatsft", tag=None, step=None):
         else:
             raise FileNotFoundError(f"no nanochat checkpoint found: {root} has no model folders "
                                     "(set NANOCHAT_BASE_DIR, or pass a checkpoint directory)")
-    return os.path.join(root, tag), step
+    return os.path.join(root, tag)
 
 
 def checkpoint_steps(checkpoint_dir):
@@ -477,7 +553,7 @@ def checkpoint_steps(checkpoint_dir):
                   if (m := re.fullmatch(r"model_(\d+)\.pt", os.path.basename(f))))
 
 
-def load_checkpoint(checkpoint_dir, step=None, device="cpu", generation=None, window_pattern=None, log=print):
+def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=None, log=print):
     """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
     generation / window_pattern override what the files say or what would be assumed (see model_from_state).
     A missing, damaged or foreign file raises FileNotFoundError / ValueError naming it."""
@@ -489,8 +565,9 @@ def load_checkpoint(checkpoint_dir, step=None, device="cpu", generation=None, wi
         raise FileNotFoundError(f"no step {step} in {checkpoint_dir}; available steps: {steps}")
     meta = read_meta(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model_path = os.path.join(checkpoint_dir, f"model_{step:06d}.pt")
-    state = load_tensors(model_path, device)
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+    state = load_tensors(model_path)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
         raise ValueError(f"{model_path} holds no state dict (names -> tensors): is it a nanochat model file?")
     # Our own checkpoints name their generation, which settles what the files alone cannot.
     try:
@@ -636,7 +713,7 @@ def atomic_save(obj, path):
                         raise
                     raise writer.error from None
             f.flush()
-            os.fsync(f.fileno())  # on disk before the rename: after a power cut the name holds old or new data, not none
+            os.fsync(f.fileno())  # on disk before the rename: after a power cut the name holds old or new data
         os.replace(tmp, path)
     except BaseException as e:
         os.unlink(tmp)
@@ -664,144 +741,39 @@ def master_weights(model):
 
 
 # -----------------------------------------------------------------------------
-# The calculator tool
+# tokenizer.pkl: a pickled tiktoken.Encoding, read as data
 
-CALCULATOR_MAX_CHARS = 100
-_CALC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_CALC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd)
+class _EncodingState:
+    """Stands in for tiktoken's Encoding while a tokenizer.pkl is read: it keeps the pickled state, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
 
 
-def calculator(expr):
-    """Evaluate + - * / arithmetic written by the model; None for anything else.
+class _TokenizerUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingState
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no tokenizer needs (refused: unpickling it "
+                                     "could run code)")
 
-    The model's text is never eval'd: it is parsed with ast and only number literals and the four
-    operations are walked. Without ** and with at most 100 characters, every result stays small,
-    so the time is bounded too."""
-    expr = re.sub(r"(?<=\d),(?=\d)", "", expr.strip())  # 1,000 -> 1000
-    if not expr or len(expr) > CALCULATOR_MAX_CHARS or not re.fullmatch(r"[0-9.+\-*/() ]+", expr):
-        return None
+
+def read_tokenizer_pkl(path):
+    """-> tiktoken.Encoding. The only class the file may mention is tiktoken's Encoding, whose state (a name, a
+    split pattern and two vocabularies) is checked and handed to tiktoken here, never through the pickle's own
+    machinery."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer at {path} (nanochat writes it to <base>/tokenizer/tokenizer.pkl)")
     try:
-        tree = ast.parse(expr, mode="eval")
-        if not all(isinstance(node, _CALC_NODES) for node in ast.walk(tree)):
-            return None
-
-        def value(node):
-            if isinstance(node, ast.Expression):
-                return value(node.body)
-            if isinstance(node, ast.Constant):
-                if not isinstance(node.value, (int, float)):
-                    raise ValueError
-                return node.value
-            if isinstance(node, ast.UnaryOp):
-                return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
-            return _CALC_OPS[type(node.op)](value(node.left), value(node.right))
-
-        result = value(tree)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, MemoryError):
-        return None
-    if isinstance(result, float):
-        if not math.isfinite(result):
-            return None
-        result = round(result, 6)
-        if result.is_integer():
-            result = int(result)
-    return str(result)
-
-
-# -----------------------------------------------------------------------------
-# The sampler
-
-def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
-    """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N].
-    temperature 0 is greedy.
-
-    The softcap is monotonic, so greedy and the top-k set can be read off the raw logits and the
-    softcap applied to the k survivors only: over a 65,536 vocabulary that, and sampling by inverse
-    CDF rather than torch.multinomial, is most of the sampler's time on a CPU."""
-    if temperature == 0:
-        return raw_logits.argmax(dim=-1)
-    if top_k:
-        values, indices = torch.topk(raw_logits, min(top_k, raw_logits.size(-1)), dim=-1)  # [N, k]
-    else:
-        values, indices = raw_logits, None
-    cdf = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1).cumsum(dim=-1)
-    choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
-    return (choice if indices is None else indices.gather(1, choice)).squeeze(1)
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-             use_calculator=True):
-    """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
-    `seed` is an int, or one int per prompt.
-
-    Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
-      tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
-      mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
-        calculator forced it and on padding;
-      lengths [N]: reply length including the stop token and forced tokens;
-      truncated [N]: the reply hit max_new_tokens before a stop token.
-    They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
-    device = model.lm_head.weight.device
-    P, G = len(prompts), num_samples
-    N = P * G
-    # All randomness is drawn up front from one generator per prompt, seeded `seed + p` (or seed[p]): a
-    # prompt's samples do not depend on which other prompts share the batch, or on which rank runs it.
-    seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
-    noise = torch.cat([torch.rand(G, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
-
-    # Prefill every prompt once, left-padded so that all rows end at the same column.
-    longest = max(len(p) for p in prompts)
-    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
-    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
-    cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
-    logits = model(idx, cache, softcap=False)[:, -1]  # [P, V]
-    # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
-    shared = torch.arange(P, device=device).repeat_interleave(G)
-    cache.select(shared)
-    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0], model.generation.softcap)  # [N]
-
-    tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
-    mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
-    lengths = torch.full((N,), max_new_tokens, device=device)
-    truncated = torch.ones(N, dtype=torch.bool, device=device)
-    rows = torch.arange(N, device=device)  # which output row each row of the running batch is
-    done = torch.zeros(N, dtype=torch.bool, device=device)
-    forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
-    num_forced = torch.zeros(N, dtype=torch.long, device=device)
-    stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
-
-    # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
-    for t in range(max_new_tokens):
-        is_forced = num_forced > 0
-        token = torch.where(is_forced, forced[:, 0] if forced.size(1) else sampled, sampled).masked_fill(done, 0)
-        forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
-        tokens[rows, t] = token
-        mask[rows, t] = (~is_forced & ~done).long()
-        stopped = ~done & ~is_forced & torch.isin(token, stop_ids)
-        lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
-        truncated[rows] &= ~stopped
-        done |= stopped
-        calls = ~done & ~is_forced & (token == tokenizer.python_end) & use_calculator
-        # One host sync per step for the whole batch, not one per row.
-        num_running, any_call = torch.stack([(~done).sum(), calls.any()]).tolist()
-        if num_running == 0 or t == max_new_tokens - 1:
-            break
-        if any_call:  # the tool runs only for the rows that just closed a python block
-            for i in calls.nonzero().flatten().tolist():
-                reply = tokens[rows[i], :t].tolist()
-                starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
-                result = calculator(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
-                if result is not None:
-                    queue = [tokenizer.output_start] + tokenizer.encode(result) + [tokenizer.output_end]
-                    if len(queue) > forced.size(1):
-                        forced = F.pad(forced, (0, len(queue) - forced.size(1)))
-                    forced[i, :len(queue)] = torch.tensor(queue, device=device)
-                    num_forced[i] = len(queue)
-        if num_running <= 0.75 * done.numel():  # finished rows leave the batch rather than keep it busy
-            keep = (~done).nonzero().flatten()
-            cache.select(keep)
-            rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
-        logits = model(token[:, None], cache, softcap=False)[:, -1]
-        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1], model.generation.softcap)
-    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated).items()}
+        with open(path, "rb") as f:
+            encoding = _TokenizerUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"{path} is not a nanochat tokenizer.pkl ({type(e).__name__}: {e}); copy it again from "
+                         "<nanochat base>/tokenizer/") from None
+    state = getattr(encoding, "state", None)
+    if not (isinstance(state, dict) and set(state) == {"name", "pat_str", "mergeable_ranks", "special_tokens"}
+            and isinstance(state["name"], str) and isinstance(state["pat_str"], str)
+            and all(isinstance(k, bytes) and isinstance(v, int) for k, v in state["mergeable_ranks"].items())
+            and all(isinstance(k, str) and isinstance(v, int) for k, v in state["special_tokens"].items())):
+        raise ValueError(f"{path} does not hold a tiktoken encoding of nanochat's kind (name, pattern, vocabularies)")
+    return tiktoken.Encoding(**state)

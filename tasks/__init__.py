@@ -3,28 +3,24 @@ Tasks: where prompts come from and how replies are scored.
 
 A task is a sequence of conversations in nanochat's shape,
     {"messages": [{"role": "user", "content": str}, {"role": "assistant", "content": str | [parts]}]}
-with parts {"type": "text" | "python" | "python_output", "text": str}, plus two scores of a sampled reply:
-reward(conversation, reply_text) -> float, the RL signal, and evaluate(conversation, reply_text) -> bool.
-Slicing (start/stop/step) picks deterministic subsets, e.g. for evaluation.
+with parts {"type": "text" | "python" | "python_output", "text": str}. The trainer asks a task for nothing else:
+- reward(conversation, reply_text) -> float, the RL signal;
+- evaluate(conversation, reply_text) -> bool, a correct reply (pass@k counts these);
+- eval_metrics(conversation, reply_text) -> {name: float}, logged as eval_<name> next to eval_reward;
+- score: the eval metric that ranks runs in --compare (eval_<score>);
+- tool: None, or a function that the sampler runs on the text between <|python_start|> and <|python_end|>,
+  its string result forced into the reply;
+- from_flags(split, args) and default_num_steps(prompts_per_step): how grpo.py's flags build the task.
 """
 
 
 class Task:
-    def __init__(self, start=0, stop=None, step=1):
-        self.start, self.stop, self.step = start, stop, step
+    """What the tasks share: no tool, runs ranked by eval_reward, and indexing that ends at the last example
+    (len and example(index) are the task's own)."""
+    tool = None
+    score = "reward"
 
-    def num_examples(self):
-        raise NotImplementedError
-
-    def get_example(self, index):
-        raise NotImplementedError
-
-    def __len__(self):
-        stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())
-        return max(0, (stop - self.start + self.step - 1) // self.step)
-
-    def __getitem__(self, i):
-        if not 0 <= i < len(self):
-            raise IndexError(f"example {i} of a task with {len(self)} examples")
-        return self.get_example(self.start + i * self.step)
-
+    def __getitem__(self, index):
+        if not 0 <= index < len(self):
+            raise IndexError(f"example {index} of a task with {len(self)} examples")
+        return self.example(index)

@@ -12,9 +12,15 @@ Grading. The official rule (strict, the default): the answer is the first match 
 commas removed, compared *as a string* with the reference answer extracted the same way. Numbers stay
 comparable with published GSM8K results. The lenient rule reads the first "####" marker too, but allows no
 space or a "$" after it and a trailing period, and compares numerically, so "#### $18.00." == "18".
+
+Tool. As in nanochat, the solutions' <<48/2=24>> annotations are calculator calls: the model writes
+<|python_start|>48/2<|python_end|>, and the sampler forces the calculator's result into the reply.
 """
+import ast
 import decimal
 import json
+import math
+import operator
 import os
 import random
 import re
@@ -59,6 +65,51 @@ def is_correct(reply, reference, lenient=False):
     else:
         got, want = extract_answer(reply), extract_answer(reference)
     return got is not None and got == want
+
+
+# -----------------------------------------------------------------------------
+# The calculator tool
+
+CALCULATOR_MAX_CHARS = 100
+_CALC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_CALC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd)
+
+
+def calculator(expr):
+    """Evaluate + - * / arithmetic written by the model; None for anything else.
+
+    The model's text is never eval'd: it is parsed with ast and only number literals and the four
+    operations are walked. Without ** and with at most 100 characters, every result stays small,
+    so the time is bounded too."""
+    expr = re.sub(r"(?<=\d),(?=\d)", "", expr.strip())  # 1,000 -> 1000
+    if not expr or len(expr) > CALCULATOR_MAX_CHARS or not re.fullmatch(r"[0-9.+\-*/() ]+", expr):
+        return None
+    try:
+        tree = ast.parse(expr, mode="eval")
+        if not all(isinstance(node, _CALC_NODES) for node in ast.walk(tree)):
+            return None
+
+        def value(node):
+            if isinstance(node, ast.Expression):
+                return value(node.body)
+            if isinstance(node, ast.Constant):
+                if not isinstance(node.value, (int, float)):
+                    raise ValueError
+                return node.value
+            if isinstance(node, ast.UnaryOp):
+                return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+            return _CALC_OPS[type(node.op)](value(node.left), value(node.right))
+
+        result = value(tree)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, MemoryError):
+        return None
+    if isinstance(result, float):
+        if not math.isfinite(result):
+            return None
+        result = round(result, 6)
+        if result.is_integer():
+            result = int(result)
+    return str(result)
 
 
 # -----------------------------------------------------------------------------
@@ -146,19 +197,27 @@ def find_split(split, data_dir=None, url=OFFICIAL_URL):
 
 
 class GSM8K(Task):
-    def __init__(self, split="train", data_dir=None, lenient=False, shuffle_seed=42, url=OFFICIAL_URL, **slice_args):
-        super().__init__(**slice_args)
+    tool = staticmethod(calculator)
+    score = "strict"
+
+    def __init__(self, split="train", data_dir=None, url=OFFICIAL_URL):
         if split not in SPLIT_ROWS:
             raise ValueError(f"GSM8K split must be one of {list(SPLIT_ROWS)}, got {split!r}")
         self.rows = read_jsonl(find_split(split, data_dir, url))
-        if shuffle_seed is not None:  # a fixed order, so that --eval-examples N means the same N problems everywhere
-            random.Random(shuffle_seed).shuffle(self.rows)
-        self.lenient = lenient
+        random.Random(42).shuffle(self.rows)  # a fixed order: --eval-examples N means the same N problems everywhere
 
-    def num_examples(self):
+    @classmethod
+    def from_flags(cls, split, args):
+        return cls(split, args.gsm8k_dir)
+
+    @staticmethod
+    def default_num_steps(prompts_per_step):
+        return SPLIT_ROWS["train"] // prompts_per_step  # one epoch
+
+    def __len__(self):
         return len(self.rows)
 
-    def get_example(self, index):
+    def example(self, index):
         row = self.rows[index]
         return {"messages": [{"role": "user", "content": row["question"]},
                              {"role": "assistant", "content": answer_to_parts(row["answer"])}]}
@@ -167,7 +226,12 @@ class GSM8K(Task):
         return "".join(part["text"] for part in conversation["messages"][-1]["content"])
 
     def evaluate(self, conversation, reply_text):
-        return is_correct(reply_text, self.reference(conversation), self.lenient)
+        return is_correct(reply_text, self.reference(conversation))
 
     def reward(self, conversation, reply_text):
         return float(self.evaluate(conversation, reply_text))
+
+    def eval_metrics(self, conversation, reply_text):
+        reference = self.reference(conversation)
+        return {"strict": float(is_correct(reply_text, reference)),
+                "lenient": float(is_correct(reply_text, reference, lenient=True))}

@@ -12,16 +12,23 @@ from tasks import Task
 
 
 class Sort(Task):
-    def __init__(self, split="train", length=5, seed=0, num_test=256, **slice_args):
-        super().__init__(**slice_args)
+    def __init__(self, split="train", length=5, seed=0, num_test=256):
         if split not in ("train", "test"):
             raise ValueError(f"sort split must be train or test, got {split!r}")
         self.split, self.length, self.seed, self.num_test = split, length, seed, num_test
 
-    def num_examples(self):
+    @classmethod
+    def from_flags(cls, split, args):
+        return cls(split, args.sort_length, args.seed)
+
+    @staticmethod
+    def default_num_steps(prompts_per_step):
+        return 300
+
+    def __len__(self):
         return self.num_test if self.split == "test" else 10 ** 12
 
-    def get_example(self, index):
+    def example(self, index):
         rng = random.Random(f"sort-{self.split}-{self.seed}-{self.length}-{index}")
         digits = "".join(rng.choice("0123456789") for _ in range(self.length))
         return {"messages": [{"role": "user", "content": digits},
@@ -34,3 +41,6 @@ class Sort(Task):
 
     def evaluate(self, conversation, reply_text):
         return reply_text.strip() == conversation["messages"][-1]["content"]
+
+    def eval_metrics(self, conversation, reply_text):
+        return {"exact": float(self.evaluate(conversation, reply_text))}

@@ -96,8 +96,7 @@ def random_model(shape):
 
 def rollouts(model, prompts):
     with autocast:
-        return generate(model, tokenizer, prompts, args.samples, args.new_tokens, temperature=1.0, top_k=50, seed=0,
-                        use_calculator=False)
+        return generate(model, tokenizer, prompts, args.samples, args.new_tokens, temperature=1.0, top_k=50, seed=0)
 
 
 def decode_bound(model, rows, bandwidth):

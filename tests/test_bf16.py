@@ -75,7 +75,7 @@ def test_bf16_sampler_greedy_equals_a_bf16_forward_without_cache(generation):
     model = random_model(generation, scale=0.5)
     prompts = random_tokens(40, 75)
     with BF16:
-        sampled = generate(model, TOK, prompts, 1, 24, temperature=0, use_calculator=False)
+        sampled = generate(model, TOK, prompts, 1, 24, temperature=0)
     exact, total = 0, 0
     for row, prompt in enumerate(prompts):
         reply = sampled["tokens"][row, :sampled["lengths"][row]]

@@ -86,10 +86,10 @@ def test_cached_decoding_matches_full_forward(generation):
 def test_batched_greedy_equals_one_at_a_time_and_no_cache(generation):
     model = random_model(generation)
     prompts = random_tokens(5, 70, 133)  # the first rows are left-padded: smear must not reach into padding
-    batched = generate(model, TOK, prompts, num_samples=2, max_new_tokens=10, temperature=0, use_calculator=False)
+    batched = generate(model, TOK, prompts, num_samples=2, max_new_tokens=10, temperature=0)
     for i, p in enumerate(prompts):
         reference = naive_greedy(model, p, 10)
-        single = generate(model, TOK, [p], num_samples=1, max_new_tokens=10, temperature=0, use_calculator=False)
+        single = generate(model, TOK, [p], num_samples=1, max_new_tokens=10, temperature=0)
         n = single["lengths"][0].item()
         assert single["tokens"][0, :n].tolist() == reference[:n]
         for row in (2 * i, 2 * i + 1):

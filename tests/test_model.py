@@ -1,13 +1,12 @@
 import json
 import os
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, calculator, find_checkpoint, generate, load_checkpoint,
-                   save_checkpoint)
+from model import GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, find_checkpoint, generate, load_checkpoint, save_checkpoint
+from tasks.gsm8k import calculator
 
 TOK = Tokenizer.byte_level()
 
@@ -50,9 +49,9 @@ def naive_greedy(model, prompt, max_new_tokens):
 def test_batched_greedy_equals_one_at_a_time_and_naive_loop():
     model = tiny_model()
     prompts = prompts_of("x", "sort 31415", "a much longer prompt than the others")
-    batched = generate(model, TOK, prompts, num_samples=2, max_new_tokens=12, temperature=0, use_calculator=False)
+    batched = generate(model, TOK, prompts, num_samples=2, max_new_tokens=12, temperature=0)
     for i, p in enumerate(prompts):
-        single = generate(model, TOK, [p], num_samples=1, max_new_tokens=12, temperature=0, use_calculator=False)
+        single = generate(model, TOK, [p], num_samples=1, max_new_tokens=12, temperature=0)
         reference = naive_greedy(model, p, 12)
         assert len(set(reference)) > 1  # the test is only meaningful if outputs are not degenerate
         for row in (2 * i, 2 * i + 1):
@@ -126,7 +125,7 @@ def test_missing_checkpoint_errors_name_where_they_looked(tmp_path):
 def test_find_checkpoint_defaults_to_the_deepest_tag(tmp_path):
     for tag in ("d4", "d12", "d8"):
         os.makedirs(tmp_path / "chatsft_checkpoints" / tag)
-    assert find_checkpoint(str(tmp_path)) == (str(tmp_path / "chatsft_checkpoints" / "d12"), None)
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "chatsft_checkpoints" / "d12")
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -210,7 +209,7 @@ def test_calculator_forces_masked_output_and_stop_token_is_kept():
     transitions[ord("z")] = ord("z")  # the second prompt never stops
     model = ScriptedModel(transitions)
     out = generate(model, t, [[t.bos, t.assistant_start], [t.bos, ord("q"), ord("z")]], num_samples=2,
-                   max_new_tokens=14, temperature=1.0, top_k=5)
+                   max_new_tokens=14, temperature=1.0, top_k=5, tool=calculator)
     expected = chain[1:] + [t.output_start, ord("6"), t.output_end, ord("a"), t.assistant_end]
     for row in (0, 1):
         n = out["lengths"][row].item()
@@ -225,22 +224,8 @@ def test_calculator_forces_masked_output_and_stop_token_is_kept():
 def test_invalid_calculator_expression_forces_nothing():
     t = TOK
     chain = [t.assistant_start, t.python_start, ord("1"), ord("/"), ord("0"), t.python_end, t.assistant_end]
-    out = generate(ScriptedModel(dict(zip(chain, chain[1:]))), t, [[t.assistant_start]], max_new_tokens=10)
+    out = generate(ScriptedModel(dict(zip(chain, chain[1:]))), t, [[t.assistant_start]], max_new_tokens=10, tool=calculator)
     assert out["tokens"][0, :out["lengths"][0]].tolist() == chain[1:] and out["mask"][0].sum() == 6
-
-
-def test_calculator_results_and_hostile_inputs():
-    assert calculator("48/2") == "24"
-    assert calculator("12/60") == "0.2"
-    assert calculator("1,000 * 3 - (4 + 2)") == "2994"
-    assert calculator("-5 + 2") == "-3"
-    assert calculator("10/4") == "2.5"
-    hostile = ["__import__('os')", "9**9**9", "9" * 10000, "((1+2)", "1/0", "", "2 ** 8", "a+1", "1e999", "1.2.3",
-               "(" * 90 + "1" + ")" * 90, "()", "import os", "\x00", "１+１"]
-    start = time.time()
-    for expr in hostile:
-        assert calculator(expr) is None, expr
-    assert time.time() - start < 1.0
 
 
 def test_group_samples_draw_their_own_first_token():

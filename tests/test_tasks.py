@@ -1,5 +1,6 @@
 import functools
 import http.server
+import json
 import os
 import random
 import re
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from model import Tokenizer
-from tasks.gsm8k import GSM8K, LENIENT_ANSWER, answer_to_parts, extract_answer, find_split, is_correct
+from tasks.gsm8k import GSM8K, LENIENT_ANSWER, answer_to_parts, calculator, extract_answer, find_split, is_correct
 from tasks.sort import Sort
 
 TOK = Tokenizer.byte_level()
@@ -35,12 +36,13 @@ def test_real_splits_load_and_every_reference_grades_correct(gsm8k_dir):
             assert is_correct(reply, task.reference(conversation), lenient=True)
 
 
-def test_order_is_a_seeded_shuffle_and_slices(gsm8k_dir):
+def test_order_is_a_seeded_shuffle(gsm8k_dir):
     a, b = GSM8K("test", data_dir=gsm8k_dir), GSM8K("test", data_dir=gsm8k_dir)
     assert [a[i] for i in range(5)] == [b[i] for i in range(5)]
-    assert a[0] != GSM8K("test", data_dir=gsm8k_dir, shuffle_seed=None)[0]
-    sliced = GSM8K("test", data_dir=gsm8k_dir, start=10, stop=20, step=3)
-    assert len(sliced) == 4 and sliced[1] == a[13]
+    first_in_file = json.loads(open(os.path.join(gsm8k_dir, "test.jsonl")).readline())["question"]
+    assert a[0]["messages"][0]["content"] != first_in_file
+    with pytest.raises(IndexError):
+        a[len(a)]
 
 
 def test_calculator_annotations_become_tool_parts():
@@ -191,3 +193,17 @@ def test_lenient_grader_is_linear_with_the_same_verdicts():
     start = time.time()
     assert not is_correct("#### " + "\n" * 32000 + "x", "#### 18", lenient=True)
     assert time.time() - start < 0.5  # the quadratic pattern took about 27 s
+
+
+def test_calculator_results_and_hostile_inputs():
+    assert calculator("48/2") == "24"
+    assert calculator("12/60") == "0.2"
+    assert calculator("1,000 * 3 - (4 + 2)") == "2994"
+    assert calculator("-5 + 2") == "-3"
+    assert calculator("10/4") == "2.5"
+    hostile = ["__import__('os')", "9**9**9", "9" * 10000, "((1+2)", "1/0", "", "2 ** 8", "a+1", "1e999", "1.2.3",
+               "(" * 90 + "1" + ")" * 90, "()", "import os", "\x00", "１+１"]
+    start = time.time()
+    for expr in hostile:
+        assert calculator(expr) is None, expr
+    assert time.time() - start < 1.0
