@@ -48,7 +48,7 @@ from tasks.sort import Sort
 TASKS = {"gsm8k": GSM8K, "sort": Sort}
 
 # -----------------------------------------------------------------------------
-# Configuration. A flag's own bounds are its type; checks that involve several flags are in resolve_config.
+# Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
 
 def at_least(low):
     """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
