@@ -9,6 +9,7 @@ import torch
 
 import grpo
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
+from tasks.gsm8k import calculator
 from tasks.sort import Sort
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,6 +159,28 @@ def test_infinite_terms_at_masked_positions_change_nothing(monkeypatch):
         grads.append(recorder.grads[0])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_tasks_tool_reaches_the_sampler_in_training_and_eval(monkeypatch):
+    # The sampler is task-agnostic: GSM8K's calculator works only if grpo.py hands each task's tool over.
+    class SortWithCalculator(Sort):
+        tool = staticmethod(calculator)
+
+    tools, real_generate = [], grpo.generate
+
+    def recording(*a, **k):
+        tools.append(k.get("tool"))
+        return real_generate(*a, **k)
+
+    monkeypatch.setattr(grpo, "generate", recording)
+    args = args_for("--pass-k", "2")
+    model, _ = sampled_batch(args)
+    grpo.sample_groups(model, TOK, SortWithCalculator("train"), [0, 1], [5, 6], args, NO_AUTOCAST)
+    result = grpo.evaluate(model, TOK, SortWithCalculator("test"), 3, args, 0, 1, NO_AUTOCAST)
+    assert tools == [calculator] * 3 and result["eval_examples"] == 3 and "eval_exact" in result
+    tools.clear()
+    grpo.sample_groups(model, TOK, Sort("train"), [0, 1], [5, 6], args, NO_AUTOCAST)
+    assert tools == [None]
 
 
 def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
