@@ -24,6 +24,7 @@ import errno
 import fcntl
 import functools
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -32,9 +33,12 @@ import pickle
 import random
 import re
 import resource
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -125,7 +129,8 @@ arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (defaul
 arg("--runs-dir", default="runs")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
 arg("--seed", type=int, default=0)
-arg("--device", default=None, help="cuda or cpu (default: cuda if available)")
+arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
+arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
 arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
@@ -428,9 +433,10 @@ def main(argv=None):
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
     run_dir = os.path.join(args.runs_dir, args.run_name)
     rank = int(os.environ.get("RANK", "0"))
+    writes = args.resume or not args.eval_only  # evaluating a checkpoint writes no run folder
     try:
-        with lock_run_dir(run_dir) if rank == 0 else nullcontext():
-            run = start_run(args, run_dir, rank)
+        with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext(), stop_signals():
+            run = start_run(args, run_dir, rank, writes)
             if args.eval_only:
                 result = run_eval(args, run, run.start_step, args.final_eval_examples)
                 leave_process_group()
@@ -449,8 +455,34 @@ def main(argv=None):
             raise
         stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
                  "free disk space or make the folder writable")
-    except KeyboardInterrupt:
-        stop_run(run_dir, "interrupted", "")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
+        stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
+    except RuntimeError as e:
+        if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
+            raise
+        world_size = dist.get_world_size()
+        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within --dist-timeout "
+                 f"{args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
+                 "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows longer)")
+
+
+@contextmanager
+def stop_signals():
+    """SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run like Ctrl-C: with the one-line stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
@@ -517,8 +549,12 @@ def check_config(args):
          f"(got --depth {args.depth} --n-embd {args.n_embd} --n-head {args.n_head})"),
         (args.run_name in ("", ".", "..") or os.sep in args.run_name or (os.altsep or os.sep) in args.run_name,
          f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
+        (args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device),
+         f"--device {args.device!r}: nanogrpo runs on cpu, cuda or cuda:<index>"),
         (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
+        (re.fullmatch(r"cuda:\d+", args.device or "") and int(args.device[5:]) >= torch.cuda.device_count(),
+         f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"),
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
          "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem "
          "measures nothing"),
@@ -537,9 +573,10 @@ def check_config(args):
 # -----------------------------------------------------------------------------
 # Setting a run up: processes and devices, tasks, the start policy, its reference and optimizers, the run folder
 
-def start_run(args, run_dir, rank):
-    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint."""
-    if not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # every rank, before they meet
+def start_run(args, run_dir, rank, writes):
+    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
+    False (evaluating a checkpoint) nothing is written into the run folder."""
+    if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # before ranks meet
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -548,7 +585,8 @@ def start_run(args, run_dir, rank):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        timeout = timedelta(seconds=args.dist_timeout)  # a rank that hangs stops the others after this long
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
     # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
@@ -567,15 +605,18 @@ def start_run(args, run_dir, rank):
     model.to(device)
     optimizers = make_optimizers(model, args)
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
+    config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
+                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, optimizers=optimizers, config=config, run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), start_step=0, bad_steps=0)
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), start_step=0, bad_steps=0,
+                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
-        run.start_step = resume(run)
+        run.start_step = resume(args, run)
         log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
-    wall_before = write_run_files(args, run)
+    wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
     run.wandb = None
     if args.wandb and master:
@@ -731,7 +772,7 @@ def write_run_files(args, run):
     if not run.master:
         return 0.0
     kept = []
-    if args.resume and os.path.isfile(run.metrics_path):
+    if args.resume and run.start_step > 0 and os.path.isfile(run.metrics_path):
         try:
             kept = [m for m in read_metrics(run.metrics_path, run.log) if m["step"] <= run.start_step]
         except ValueError as e:
@@ -745,7 +786,7 @@ def write_run_files(args, run):
 
 
 def record(run, metrics):
-    if run.master:
+    if run.master and run.writes:
         with open(run.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if run.wandb:
@@ -754,6 +795,8 @@ def record(run, metrics):
 
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
     """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
+    if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
+        stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     task_rewards, samples = groups["task_rewards"], groups["samples"]
     local = dict(groups=len(groups["prompts"]), replies=task_rewards.numel(), reward=task_rewards.sum(),
                  reward_group_std=groups["rewards"].std(dim=1).sum(), equal_groups=batch["equal_groups"].sum(),
@@ -819,15 +862,18 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
                   "max_bad_steps")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
+# The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
+INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
+          "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
 
 
-def resume(run):
+def resume(args, run):
     """Load the run's latest complete checkpoint into model, reference and optimizers -> its step."""
     checkpoint_dir, config = run.checkpoint_dir, run.config
     saved = complete_steps(checkpoint_dir)
-    if not saved:
-        sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
     config_path = os.path.join(run.run_dir, "config.json")
+    if not saved and (not os.path.isfile(config_path) or args.eval_only):
+        sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
     try:
         with open(config_path, encoding="utf-8") as f:
             run_config = json.load(f)
@@ -836,12 +882,21 @@ def resume(run):
     except (OSError, ValueError) as e:
         sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
-    differing = sorted(k for k in set(run_config) | set(config) if k != "resumed_with"
+    for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
+        if digest != config["inputs"].get(name):
+            sys.exit(f"error: --resume: the run's {INPUTS[name]} changed since it started (sha256 {str(digest)[:12]} "
+                     f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
+                     f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
+    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
     refused = [k for k in differing if k not in STEP_SIZES]
     if refused:
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
                  "pass the original flags")
+    if not saved:  # the run stopped before its first save: starting over is what resuming would do
+        run.log(f"note: --resume: {run.run_dir} has no complete checkpoint (the run stopped before its first save); "
+                "starting it over from step 0")
+        return 0
     step = saved[-1]
     changes = {k: [run_config.get(k), config[k]] for k in differing}
     history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
@@ -1082,7 +1137,7 @@ def leave_process_group():
 # Comparing runs: --compare, and the summary at the end of every run
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
-NOT_CONFIGURATION = ("seed",) + NOT_TRAJECTORY
+NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
 COMPARE_HEADER = ["run", "algo", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval",
                   "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
 
@@ -1106,6 +1161,10 @@ def compare_runs(run_dirs, plot_path):
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
         key = json.dumps({k: v for k, v in config.items() if k not in NOT_CONFIGURATION}, sort_keys=True)
+        twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
+        if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
+            print(f"note: {run_dir} ran the same configuration with the same seed as {twin}: shown as its own row")
+            key += run_dir
         configurations.setdefault(key, []).append((run_dir, config, metrics))
     names = []
     for seeds in configurations.values():  # a folder name, without the seed when there are several seeds

@@ -9,7 +9,6 @@ Read from the top:
 Below the banner: which generation a checkpoint is, nanochat's on-disk layout (find / load / save, atomic writes)
 and the safe reader of tokenizer.pkl.
 """
-import glob
 import json
 import math
 import os
@@ -549,8 +548,9 @@ def find_checkpoint(base_dir=None, tag=None):
 
 
 def checkpoint_steps(checkpoint_dir):
-    return sorted(int(m.group(1)) for f in glob.glob(os.path.join(checkpoint_dir, "model_*.pt"))
-                  if (m := re.fullmatch(r"model_(\d+)\.pt", os.path.basename(f))))
+    """The steps of the model_<step>.pt files in this folder (listed, not globbed: a name may hold [ ] * ?)."""
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"model_(\d+)\.pt", name)))
 
 
 def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=None, log=print):

@@ -10,7 +10,9 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - score: the eval metric that ranks runs in --compare (eval_<score>);
 - tool: None, or a function that the sampler runs on the text between <|python_start|> and <|python_end|>,
   its string result forced into the reply;
-- from_flags(split, args) and default_num_steps(prompts_per_step): how grpo.py's flags build the task.
+- from_flags(split, args) and default_num_steps(prompts_per_step): how grpo.py's flags build the task;
+- fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
+  (a resumed run refuses data that changed under it).
 """
 
 
@@ -19,6 +21,9 @@ class Task:
     (len and example(index) are the task's own)."""
     tool = None
     score = "reward"
+
+    def fingerprint(self):
+        return None
 
     def __getitem__(self, index):
         if not 0 <= index < len(self):

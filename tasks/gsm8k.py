@@ -18,6 +18,7 @@ Tool. As in nanochat, the solutions' <<48/2=24>> annotations are calculator call
 """
 import ast
 import decimal
+import hashlib
 import json
 import math
 import operator
@@ -203,7 +204,10 @@ class GSM8K(Task):
     def __init__(self, split="train", data_dir=None, url=OFFICIAL_URL):
         if split not in SPLIT_ROWS:
             raise ValueError(f"GSM8K split must be one of {list(SPLIT_ROWS)}, got {split!r}")
-        self.rows = read_jsonl(find_split(split, data_dir, url))
+        path = find_split(split, data_dir, url)
+        self.rows = read_jsonl(path)
+        with open(path, "rb") as f:
+            self.sha256 = hashlib.sha256(f.read()).hexdigest()
         random.Random(42).shuffle(self.rows)  # a fixed order: --eval-examples N means the same N problems everywhere
 
     @classmethod
@@ -216,6 +220,9 @@ class GSM8K(Task):
 
     def __len__(self):
         return len(self.rows)
+
+    def fingerprint(self):
+        return self.sha256
 
     def example(self, index):
         row = self.rows[index]

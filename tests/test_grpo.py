@@ -564,7 +564,7 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
                             "--eval-examples", "8"))
     other = tmp_path / "other"
     grpo.main(run_flags(other, "cfg-seed0", "--num-steps", "2", "--algo", "grpo"))  # same folder name, another config
-    grpo.main(run_flags(tmp_path, "solo", "--num-steps", "2", "--algo", "grpo"))  # the same config as other/cfg-seed0
+    grpo.main(run_flags(tmp_path, "solo", "--num-steps", "2", "--algo", "grpo", "--seed", "1"))  # other/cfg-seed0's config
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1"), str(other / "cfg-seed0"),
                        "--runs-dir", str(tmp_path)])

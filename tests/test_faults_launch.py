@@ -1,0 +1,239 @@
+"""
+Faults from schedulers, torchrun and long runs: odd folder names, signals, a killed launcher, a stuck rank, inputs
+that changed between stop and resume, devices that do not exist, runs killed before their first checkpoint, copies of
+a run in --compare, and evaluating someone's checkpoint more than once.
+"""
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tiktoken
+import torch
+
+import grpo
+from conftest import ROOT, Killed
+from model import SPECIAL_TOKENS
+from test_faults import GOOD_ROW, final_weights, flags, snapshot
+
+
+def wait_for(condition, seconds, what):
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.2)
+
+
+def train_lines(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return [m for m in map(json.loads, open(path)) if "reward" in m] if os.path.isfile(path) else []
+
+
+def test_a_run_named_with_glob_characters_resumes(tmp_path, run_killed_after_first_save):
+    runs = tmp_path / "r[u]ns*"
+    argv = flags(tmp_path, "--runs-dir", str(runs), "--num-steps", "2", "--save-every", "1", name="b[1]")
+    grpo.main(flags(tmp_path, "--runs-dir", str(runs), "--num-steps", "2", "--save-every", "1", name="straight"))
+    run_killed_after_first_save(argv)
+    grpo.main(argv + ["--resume"])
+    for (k, a), b in zip(final_weights(runs / "straight", 2).items(), final_weights(runs / "b[1]", 2).values()):
+        assert torch.equal(a, b), k
+    # a start checkpoint in such a folder loads too
+    result = grpo.main(flags(tmp_path, "--init", str(runs / "b[1]" / "chatrl_checkpoints" / "d2"), "--eval-only",
+                             "--final-eval-examples", "4", name="eval"))
+    assert result["eval_examples"] == 4
+
+
+def test_an_interrupt_in_a_glob_named_run_names_its_checkpoint(tmp_path, monkeypatch):
+    save = grpo.save_training_state
+
+    def save_then_ctrl_c(run_dir, tag, step, *a):
+        save(run_dir, tag, step, *a)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "save_training_state", save_then_ctrl_c)
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(flags(tmp_path, name="x[0]"))
+    assert exit_info.value.code.startswith("error: interrupted. The run's newest checkpoint, step 1 in ")
+
+
+def script(tmp_path, name, *extra):
+    return [sys.executable, os.path.join(ROOT, "grpo.py"), *flags(tmp_path, "--num-steps", "100000", *extra, name=name)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_scheduler_signals_stop_with_the_one_line_message(tmp_path, sig):
+    log = open(tmp_path / "err.txt", "w")
+    process = subprocess.Popen(script(tmp_path, "sig"), stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+    try:
+        wait_for(lambda: len(train_lines(tmp_path / "runs" / "sig")) >= 2, 120, "two steps")
+        process.send_signal(sig)
+        assert process.wait(timeout=60) == 1
+    finally:
+        process.kill()
+    err = open(tmp_path / "err.txt").read().strip()
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"error: stopped by {sig.name}. The run's newest checkpoint, step "), err
+    assert err.splitlines()[-1].endswith("go on from it with --resume")
+
+
+def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
+    # a stand-in launcher: starts one worker as torchrun does (TORCHELASTIC_RUN_ID set), prints its pid, waits
+    launcher = ("import subprocess, sys; p = subprocess.Popen(sys.argv[2:], stderr=open(sys.argv[1], 'w')); "
+                "print(p.pid, flush=True); p.wait()")
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+    parent = subprocess.Popen([sys.executable, "-c", launcher, str(tmp_path / "worker.txt"),
+                               *script(tmp_path, "orphan")], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    worker = int(parent.stdout.readline())
+    try:
+        wait_for(lambda: len(train_lines(tmp_path / "runs" / "orphan")) >= 2, 120, "two steps")
+        parent.kill()  # SIGKILL, as an OOM killer or a scheduler does
+        parent.wait()
+
+        def gone():
+            try:
+                os.kill(worker, 0)
+                return open(f"/proc/{worker}/stat").read().split()[2] == "Z"
+            except (ProcessLookupError, FileNotFoundError):
+                return True
+        wait_for(gone, 60, "the orphaned worker to stop")
+    finally:
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    err = open(tmp_path / "worker.txt").read().strip()
+    assert "Traceback" not in err and "error: the torchrun launcher (pid" in err.splitlines()[-1], err
+
+
+def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
+    argv = flags(tmp_path, "--num-steps", "100000", "--dist-timeout", "5", name="stuck")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
+                            "grpo.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    stopped = None
+    try:
+        wait_for(lambda: len(train_lines(tmp_path / "runs" / "stuck")) >= 2, 120, "two steps")
+        children = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        stopped = next(int(pid) for pid in children
+                       if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\x00"))
+        os.kill(stopped, signal.SIGSTOP)  # a hung data read, say
+        start = time.time()
+        out, _ = job.communicate(timeout=120)
+        assert time.time() - start < 90
+    finally:
+        job.kill()
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 5 s" in out, out[-3000:]
+
+
+# ---------------------------------------------------------------------------- inputs that changed under a run
+
+def gsm8k_folder(path, rows):
+    path.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_resume_refuses_changed_gsm8k_files(tmp_path, run_killed_after_first_save, capsys):
+    data = gsm8k_folder(tmp_path / "gsm8k", [GOOD_ROW] * 4)
+    argv = flags(tmp_path, "--task", "gsm8k", "--gsm8k-dir", str(data), "--max-new-tokens", "4", name="g")
+    run_killed_after_first_save(argv)
+    config = json.load(open(tmp_path / "runs" / "g" / "config.json"))
+    assert config["inputs"]["train"] == hashlib.sha256((data / "train.jsonl").read_bytes()).hexdigest()
+    other = dict(GOOD_ROW, question="What is 2 + 0?")
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [GOOD_ROW, other, GOOD_ROW, GOOD_ROW]))
+    before = snapshot(tmp_path / "runs")
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv + ["--resume"])
+    message = exit_info.value.code
+    assert message.startswith("error: --resume: the run's train data (--gsm8k-dir) changed since it started")
+    assert "--init " in message and snapshot(tmp_path / "runs") == before
+
+
+def test_resume_refuses_a_changed_start_tokenizer(tmp_path, run_killed_after_first_save):
+    grpo.main(flags(tmp_path, "--num-steps", "1", name="start"))
+    start = tmp_path / "runs" / "start"
+    argv = flags(tmp_path, "--init", str(start / "chatrl_checkpoints" / "d2"), name="from-start")
+    run_killed_after_first_save(argv)
+    enc = pickle.loads((start / "tokenizer" / "tokenizer.pkl").read_bytes())
+    changed = tiktoken.Encoding(name="other", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                                special_tokens={s: 300 + i for i, s in enumerate(SPECIAL_TOKENS)})
+    assert pickle.dumps(changed) != pickle.dumps(enc)
+    (start / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(changed))
+    copy_before = (tmp_path / "runs" / "from-start" / "tokenizer" / "tokenizer.pkl").read_bytes()
+    with pytest.raises(SystemExit, match=r"the run's tokenizer \(tokenizer.pkl of the start checkpoint\) changed"):
+        grpo.main(argv + ["--resume"])
+    assert (tmp_path / "runs" / "from-start" / "tokenizer" / "tokenizer.pkl").read_bytes() == copy_before
+
+
+# ---------------------------------------------------------------------------- devices, dead ends, copies, evals
+
+@pytest.mark.parametrize("device,message", [("tpu", "runs on cpu, cuda or cuda:<index>"),
+                                            ("mps", "runs on cpu, cuda or cuda:<index>"),
+                                            ("meta", "runs on cpu, cuda or cuda:<index>"),
+                                            ("cuda:x", "runs on cpu, cuda or cuda:<index>"),
+                                            ("cuda:99", "CUDA")])
+def test_devices_other_than_cpu_and_cuda_are_refused_before_any_work(tmp_path, device, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(flags(tmp_path, "--device", device, name="dev"))
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(tmp_path, monkeypatch, capsys):
+    argv = flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="early")
+    grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="straight"))
+    update, calls = grpo.policy_update, []
+
+    def update_then_die(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return update(*a, **k)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(grpo, "policy_update", update_then_die)
+        with pytest.raises(Killed):
+            grpo.main(argv)
+    assert len(train_lines(tmp_path / "runs" / "early")) == 1
+    capsys.readouterr()
+    grpo.main(argv + ["--resume"])
+    assert "starting it over from step 0" in capsys.readouterr().out
+    strip = {"time_sample", "time_logprobs", "time_update", "tokens_per_s", "peak_mem_mb", "wall_time"}
+    logs = [[{k: v for k, v in m.items() if k not in strip} for m in map(json.loads, open(tmp_path / "runs" / n /
+                                                                                          "metrics.jsonl"))]
+            for n in ("straight", "early")]
+    assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [0, 1, 2, 2, 3, 3]
+
+
+def test_compare_keeps_copies_of_one_seed_apart(tmp_path, capsys):
+    grpo.main(flags(tmp_path, "--num-steps", "2", name="demo-grpo-seed0"))
+    shutil.copytree(tmp_path / "runs", tmp_path / "copy")
+    capsys.readouterr()
+    table = grpo.main(["--compare", str(tmp_path / "runs" / "demo-grpo-seed0"), str(tmp_path / "copy" / "demo-grpo-seed0"),
+                       "--runs-dir", str(tmp_path)])
+    assert [row[2] for row in table[1:]] == [1, 1]
+    assert "same configuration with the same seed" in capsys.readouterr().out
+
+
+def test_evaluating_a_checkpoint_twice_touches_no_run(tmp_path):
+    grpo.main(flags(tmp_path, "--num-steps", "1", name="trained"))
+    before = snapshot(tmp_path / "runs")
+    checkpoint = str(tmp_path / "runs" / "trained" / "chatrl_checkpoints" / "d2")
+    for _ in range(2):  # the same name as the training run, twice
+        result = grpo.main(flags(tmp_path, "--init", checkpoint, "--eval-only", "--final-eval-examples", "4",
+                                 name="trained"))
+        assert result["eval_examples"] == 4
+    assert snapshot(tmp_path / "runs") == before
