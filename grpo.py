@@ -15,9 +15,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
     loss      = aggregate(policy_t + beta * kl_t)  over the reply tokens of the batch  (token | sequence | constant)
-
-Read top to bottom in the order a step runs; below the banner, the run's plumbing (checks, files, evaluation).
-"""
+The code reads top to bottom in the order a step runs; below the banner, the run's plumbing."""
 import argparse
 import copy
 import errno
