@@ -377,13 +377,9 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
                 model.zero_grad(set_to_none=True)
                 continue
-            if args.grad_clip > 0:
-                stats["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
-            for opt in optimizers:
-                opt.step()
+            optimizer_step(model, optimizers, stats, args.grad_clip)
             model.zero_grad(set_to_none=True)
             stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
-            stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
     return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
 
 
@@ -791,6 +787,12 @@ def record(run, metrics):
             run.wandb.log(metrics, step=metrics["step"])
 
 
+# One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
+# stay within a few percent per step (see README, "When things go wrong"); a step size that is orders of magnitude off
+# multiplies the norm by far more.
+WEIGHT_NORM_WARNING = 2.0
+
+
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
     """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
@@ -824,6 +826,10 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
     if stats["skipped_updates"]:
         run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
+    if stats["weight_norm_factor"] > WEIGHT_NORM_WARNING:
+        run.log(f"warning: step {step + 1}: one update changed the weights' norm by a factor "
+                f"{stats['weight_norm_factor']:.3g} (update/weight ratio {stats['update_ratio']:.3g}); the step sizes "
+                f"are probably far too large (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac)")
     if not weights_finite or run.bad_steps >= args.max_bad_steps:
         problem = ("the update made weights non-finite (NaN or inf)" if not weights_finite
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
@@ -959,9 +965,34 @@ def update_stats(device):
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "clip_tokens", "tokens", "kl",
                                       "neg_logprob")}
-    return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), grad_norms=[],
+    # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
+    return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
+                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
                 skipped_updates=0, empty_updates=0, stepped=False,
                 weights_finite=torch.ones((), dtype=torch.bool, device=device))
+
+
+@torch.no_grad()
+def optimizer_step(model, optimizers, stats, grad_clip):
+    """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
+    update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
+    Each optimizer's weights are copied just before its own step, when no activations are held: the extra memory is
+    that optimizer's share of the weights, for the length of its step."""
+    # max_norm inf: the norm is still measured, and the gradients are scaled by exactly 1
+    stats["grad_norm"] += torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        for p, b in zip(params, before):
+            squares += torch.stack([(p - b).norm(), b.norm(), p.norm()]).double() ** 2
+    update, before, after = squares.sqrt()
+    stats["steps"] += 1
+    stats["update_ratio"] += update / before
+    stats["weight_norm_factor"] = torch.maximum(stats["weight_norm_factor"], torch.maximum(after / before,
+                                                                                           before / after))
+    stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
 
 
 @torch.no_grad()
@@ -988,7 +1019,7 @@ def finish_update_stats(stats, args, with_kl):
     sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
     passes = args.ppo_epochs * args.num_minibatches
     tokens = sums["tokens"].clamp(min=1)
-    grad_norms = stats["grad_norms"]
+    steps = max(stats["steps"], 1)
     return {
         "loss": (sums["loss"] / passes).item(),
         "loss_policy": (sums["loss_policy"] / passes).item(),
@@ -998,7 +1029,9 @@ def finish_update_stats(stats, args, with_kl):
         "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
         "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
         "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
+        "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
+        "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
+        "weight_norm_factor": stats["weight_norm_factor"].item(),
         "skipped_updates": stats["skipped_updates"],
         "empty_updates": stats["empty_updates"],
         "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),

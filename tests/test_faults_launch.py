@@ -237,3 +237,31 @@ def test_evaluating_a_checkpoint_twice_touches_no_run(tmp_path):
                                  name="trained"))
         assert result["eval_examples"] == 4
     assert snapshot(tmp_path / "runs") == before
+
+
+def test_an_absurd_step_size_is_warned_about_and_the_update_ratio_logged(tmp_path, capsys):
+    grpo.main(flags(tmp_path, "--num-steps", "2", "--save-every", "0", name="sane"))
+    sane = train_lines(tmp_path / "runs" / "sane")
+    assert "changed the weights' norm" not in capsys.readouterr().out
+    assert all(0 < m["update_ratio"] < 0.5 and m["weight_norm_factor"] < grpo.WEIGHT_NORM_WARNING
+               and m["grad_norm"] > 0 for m in sane)  # grad_norm is logged with --grad-clip 0 too
+    grpo.main(flags(tmp_path, "--optimizer", "adamw", "--lr", "1e9", "--num-steps", "1", "--save-every", "0",
+                    name="absurd"))
+    out = capsys.readouterr().out
+    assert "warning: step 1: one update changed the weights' norm by a factor" in out and "--lr" in out
+    (absurd,) = train_lines(tmp_path / "runs" / "absurd")
+    assert absurd["weight_norm_factor"] > 1e6 and absurd["update_ratio"] > 1e6
+
+
+def test_the_update_ratio_is_the_relative_change_of_the_weights(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizers = [torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)]
+    model(torch.randn(5, 4)).square().sum().backward()
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    stats = grpo.update_stats(torch.device("cpu"))
+    grpo.optimizer_step(model, optimizers, stats, grad_clip=0.0)
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert stats["update_ratio"].item() == pytest.approx(((after - before).norm() / before.norm()).item(), rel=1e-6)
+    assert stats["weight_norm_factor"].item() == pytest.approx(max(after.norm() / before.norm(),
+                                                                   before.norm() / after.norm()).item(), rel=1e-6)

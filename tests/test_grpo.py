@@ -26,6 +26,7 @@ class GradRecorder:
 
     def __init__(self, model):
         self.model, self.grads = model, []
+        self.param_groups = [dict(params=list(model.parameters()))]
 
     def step(self):
         self.grads.append([p.grad.clone() for p in self.model.parameters()])
