@@ -86,6 +86,7 @@ arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-o
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
 arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most")
 arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise the last N tokens before --max-new-tokens")
+arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the policy's entropy")
 # the task and the start policy
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
 arg("--task", default="gsm8k", choices=list(TASKS))
@@ -115,6 +116,10 @@ arg("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on t
 arg("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
 arg("--weight-decay", type=float, default=0.0)
 arg("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
+arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, down to "
+    "--min-lr-frac at the last step (linear: nanochat's)")
+arg("--warmup-steps", type=at_least(0), default=0, help="linear warmup from 1/N of the learning rates")
+arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
 arg("--num-steps", type=count, default=None, help="default: one epoch of GSM8K train; 300 for sort")
 # evaluation, logging, checkpoints
 arg("--eval-every", type=at_least(0), default=60)
@@ -122,7 +127,10 @@ arg("--eval-examples", type=int, default=400, help="test problems per periodic e
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
+arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals (nanochat's chat_eval: 512)")
+arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
 arg("--save-every", type=at_least(0), default=60)
+arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay")
 arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
 arg("--runs-dir", default="runs")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -154,8 +162,9 @@ PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, nu
 # The demo: a 2-layer GPT from random weights, settings chosen by measurement (README; AdamW stalled at 0.74-0.87).
 # Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt.
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
-            max_new_tokens=8, top_k=0, device_batch_size=256, algo="grpo", optimizer="muon", init_lr_frac=0.25,
-            num_steps=1000, eval_every=100, eval_examples=256, pass_k=0, save_every=250, device="cpu")
+            max_new_tokens=8, eval_max_new_tokens=8, top_k=0, device_batch_size=256, algo="grpo", optimizer="muon",
+            init_lr_frac=0.25, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0, save_every=250,
+            device="cpu")
 
 
 # -----------------------------------------------------------------------------
@@ -217,9 +226,10 @@ def aggregate(per_token, loss_mask, kind, denominator):
     return summed.sum() / denominator
 
 
-def objective(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, denominator, args):
-    """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs [B, T] carry the gradient;
-    old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL) are frozen; advantages [B, 1]."""
+def objective(logprobs, entropy, old_logprobs, ref_logprobs, advantages, loss_mask, denominator, args):
+    """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
+    the gradient; old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL) are frozen;
+    advantages [B, 1]. -> (loss, its parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
@@ -230,12 +240,17 @@ def objective(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, denom
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
     policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    parts = dict(logprobs=logprobs, log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy)
-    if ref_logprobs is None:
-        return loss_policy, parts
-    kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
-    loss_kl = aggregate(kl, loss_mask, args.aggregation, denominator)
-    return loss_policy + args.kl_coef * loss_kl, dict(parts, kl=kl, loss_kl=loss_kl)
+    loss_entropy = aggregate(entropy, loss_mask, args.aggregation, denominator)  # entropy is finite everywhere
+    parts = dict(logprobs=logprobs, log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy,
+                 entropy=entropy.detach())
+    loss = loss_policy
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
+        parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
+        loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
+    if args.entropy_coef:
+        loss = loss - args.entropy_coef * loss_entropy  # - entropy bonus: keeps the policy from collapsing early
+    return loss, parts
 
 
 # -----------------------------------------------------------------------------
@@ -248,8 +263,9 @@ def overlong_penalty(lengths, max_len, buffer):
 
 
 def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
-    """G replies to each of these questions, scored -> prompts (P token lists), samples (P * G rows), and [P, G]
-    task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are built from."""
+    """G replies to each of these questions, scored -> indices [P], prompts (P token lists), samples (P * G rows),
+    and [P, G] task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are
+    built from."""
     G = args.num_samples
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in conversations]
@@ -261,8 +277,8 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     penalty = torch.zeros_like(task_rewards)
     if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
         penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
-    return dict(prompts=prompts, samples=samples, task_rewards=task_rewards, penalty=penalty,
-                rewards=task_rewards + penalty)
+    return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, task_rewards=task_rewards,
+                penalty=penalty, rewards=task_rewards + penalty)
 
 
 def equal_groups(rewards):
@@ -364,8 +380,9 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=loss_mask.device)
             for mb in minibatch:
                 with autocast:
-                    logprobs = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature)
-                loss, parts = objective(logprobs, old_logprobs[mb] if reused else None,
+                    logprobs, entropy = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb],
+                                                             args.temperature, with_entropy=True)
+                loss, parts = objective(logprobs, entropy, old_logprobs[mb] if reused else None,
                                         ref_logprobs[mb] if ref_model is not None else None,
                                         advantages[mb], loss_mask[mb], denominator, args)
                 loss.backward()
@@ -522,15 +539,19 @@ def check_config(args):
          f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
+        (args.warmup_steps >= args.num_steps,
+         f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
+        (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
         (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
         (args.ref_reset_every > 0 and args.kl_coef == 0,
          "--ref-reset-every needs a reference model: set --kl-coef > 0"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
         (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.kl_coef, args.temperature))),
-         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef and --temperature must be finite "
-         "numbers"),
+                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac))),
+         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature "
+         "and --min-lr-frac must be finite numbers"),
         (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
          f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
@@ -605,7 +626,8 @@ def start_run(args, run_dir, rank, writes):
                           train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, optimizers=optimizers, config=config, run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), start_step=0, bad_steps=0,
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
                           writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
@@ -708,13 +730,22 @@ def make_optimizers(model, args):
     return optimizers
 
 
+def lr_multiplier(step, args):
+    """The learning rates' multiplier at this step (0-based): a linear warmup over --warmup-steps, then the schedule
+    from 1 down to --min-lr-frac at --num-steps. With the defaults, nanochat's linear decay: 1 - step / num_steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / (args.num_steps - args.warmup_steps)  # 0 at the end of warmup
+    decay = {"linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)), "constant": 1.0}
+    return args.min_lr_frac + (1 - args.min_lr_frac) * decay[args.lr_schedule]
+
+
 def set_learning_rates(optimizers, step, args):
-    """Linear decay to zero, as nanochat -> the multiplier of this step."""
-    lr_multiplier = 1.0 - step / args.num_steps
+    multiplier = lr_multiplier(step, args)
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier
-    return lr_multiplier
+            group["lr"] = group["initial_lr"] * multiplier
+    return multiplier
 
 
 # -----------------------------------------------------------------------------
@@ -765,18 +796,25 @@ def write_run_files(args, run):
     evaluation and saving flags may have changed. -> the wall time of the run's earlier segments."""
     if not run.master:
         return 0.0
-    kept = []
-    if args.resume and run.start_step > 0 and os.path.isfile(run.metrics_path):
-        try:
-            kept = [m for m in read_metrics(run.metrics_path, run.log) if m["step"] <= run.start_step]
-        except ValueError as e:
-            sys.exit(f"error: --resume: {e}")
+    kept = {}
+    for path in (run.metrics_path, run.samples_path):
+        kept[path] = []
+        if args.resume and run.start_step > 0 and os.path.isfile(path):
+            try:
+                kept[path] = [m for m in read_step_log(path, run.log) if m["step"] <= run.start_step]
+            except ValueError as e:
+                sys.exit(f"error: --resume: {e}")
+    evals_dir = os.path.join(run.run_dir, "evals")
+    for name in os.listdir(evals_dir) if os.path.isdir(evals_dir) else []:
+        if (m := re.fullmatch(r"step_(\d+)\.jsonl", name)) and not (args.resume and int(m[1]) <= run.start_step):
+            os.remove(os.path.join(evals_dir, name))  # evals that metrics.jsonl no longer holds run again
     for leftover in glob.glob(os.path.join(glob.escape(run.run_dir), "**", ".tmp_*"), recursive=True):
         os.remove(leftover)  # half-written files of a run killed while saving; what they replace is intact
     atomic_save(run.config, os.path.join(run.run_dir, "config.json"))
     atomic_save(pickle.dumps(run.tokenizer.enc), os.path.join(run.run_dir, "tokenizer", "tokenizer.pkl"))
-    atomic_save("".join(json.dumps(m) + "\n" for m in kept).encode(), run.metrics_path)
-    return max((m["wall_time"] for m in kept if "wall_time" in m), default=0.0)
+    for path, rows in kept.items():
+        atomic_save("".join(json.dumps(m) + "\n" for m in rows).encode(), path)
+    return max((m["wall_time"] for m in kept[run.metrics_path] if "wall_time" in m), default=0.0)
 
 
 def record(run, metrics):
@@ -785,6 +823,30 @@ def record(run, metrics):
             f.write(json.dumps(metrics) + "\n")
         if run.wandb:
             run.wandb.log(metrics, step=metrics["step"])
+
+
+SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "length", "truncated"]
+
+
+def log_samples(args, run, step, groups, batch):
+    """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
+    reply side by side, groups whose rewards differ first (they are the ones the update learns from)."""
+    if not (run.master and run.writes and args.log_samples):
+        return
+    G, rewards = args.num_samples, groups["rewards"]
+    order = sorted(range(len(rewards)), key=lambda g: bool(batch["equal_groups"][g]))  # a stable sort
+    rows = [g * G + int(pick(rewards[g])) for g in order for pick in (torch.argmax, torch.argmin)][:args.log_samples]
+    table = []
+    for row in rows:
+        index = int(groups["indices"][row // G])
+        table.append([step + 1, index, run.train_task[index]["messages"][0]["content"],
+                      reply_text(run.tokenizer, groups["samples"], row), rewards.flatten()[row].item(),
+                      batch["advantages"][row].item(), int(groups["samples"]["lengths"][row]),
+                      bool(groups["samples"]["truncated"][row])])
+    with open(run.samples_path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values))) + "\n" for values in table)
+    if run.wandb:
+        run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
 
 # One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
@@ -816,6 +878,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                "wall_time": time.time() - run.wall_start}
     record(run, metrics)
+    log_samples(args, run, step, groups, batch)
     run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
             f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
@@ -839,7 +902,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
         run_eval(args, run, step + 1, args.final_eval_examples if last else args.eval_examples)
     if run.master and not run.bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-        save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, run.optimizers, run.config)
+        save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, run.optimizers, run.config,
+                            args.keep_states)
 
 
 def complete_steps(checkpoint_dir):
@@ -849,7 +913,7 @@ def complete_steps(checkpoint_dir):
         for kind, ext in (("meta", "json"), ("state", "pt")))]
 
 
-def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config):
+def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config, keep_states):
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     # the resume state first, the model after: a step counts as saved once its model file exists
     atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
@@ -857,13 +921,18 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config
                  "ref_model": ref_model.state_dict() if ref_model is not None else None},
                 os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
     save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
+    # Only now that this step is complete may older states go (optimizer state, master weights and reference are
+    # several times the model's size); every model file stays, so nanochat can load any saved step.
+    if keep_states:
+        for old in complete_steps(checkpoint_dir)[:-keep_states]:
+            os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
 
 
 # Flags that a resumed run may change: where the run lives (a moved or copied run folder resumes), and what is
 # evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
 # the training RNG).
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
-                  "max_bad_steps")
+                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
@@ -936,9 +1005,9 @@ def resume(args, run):
     return step
 
 
-def read_metrics(path, log=print):
-    """metrics.jsonl -> list of dicts. A last line cut short (a kill while appending) is dropped with a note;
-    damage anywhere else is an error that names the line."""
+def read_step_log(path, log=print):
+    """metrics.jsonl or samples.jsonl -> list of dicts. A last line cut short (a kill while appending) is dropped
+    with a note; damage anywhere else is an error that names the line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().split("\n")
     metrics = []
@@ -963,8 +1032,8 @@ def read_metrics(path, log=print):
 
 def update_stats(device):
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped", "clip_tokens", "tokens", "kl",
-                                      "neg_logprob")}
+    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped_low", "clipped_high", "clip_tokens",
+                                      "tokens", "kl", "entropy")}
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
                 grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
@@ -1005,10 +1074,12 @@ def add_micro_batch_stats(stats, loss, parts, mask):
         sums["loss_kl"] += parts["loss_kl"]
         sums["kl"] += (parts["kl"] * mask).sum()
     if stats["stepped"]:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
-        sums["clipped"] += (parts["clipped"] * mask).sum()
+        clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
+        sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
+        sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
         sums["clip_tokens"] += mask.sum()
     sums["tokens"] += mask.sum()
-    sums["neg_logprob"] -= (parts["logprobs"] * mask).sum()
+    sums["entropy"] += (parts["entropy"] * mask).sum()
     ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
     stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
     stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
@@ -1025,10 +1096,12 @@ def finish_update_stats(stats, args, with_kl):
         "loss_policy": (sums["loss_policy"] / passes).item(),
         "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
         "kl": (sums["kl"] / tokens).item() if with_kl else None,
-        "clip_frac": (sums["clipped"] / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None,
+        **{name: (clipped / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None for name, clipped in (
+            ("clip_frac", sums["clipped_low"] + sums["clipped_high"]), ("clip_frac_low", sums["clipped_low"]),
+            ("clip_frac_high", sums["clipped_high"]))},
         "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
         "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
-        "entropy_proxy": (sums["neg_logprob"] / tokens).item(),
+        "entropy": (sums["entropy"] / tokens).item(),
         "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
         "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
         "weight_norm_factor": stats["weight_norm_factor"].item(),
@@ -1049,8 +1122,15 @@ def weights_are_finite(model):
 
 def run_eval(args, run, step, num_examples):
     run.model.eval()
-    result = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank, run.world_size,
-                      run.autocast)
+    result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
+                               run.world_size, run.autocast)
+    if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
+        gathered = [None] * run.world_size if run.master else None
+        dist.gather_object(replies, gathered, dst=0)
+        replies = sorted((r for part in gathered for r in part), key=lambda r: r["index"]) if run.master else []
+    if run.master and run.writes:
+        atomic_save("".join(json.dumps(r) + "\n" for r in replies).encode(),
+                    os.path.join(run.run_dir, "evals", f"step_{step}.jsonl"))
     run.log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                              for k, v in result.items()))
     record(run, {"step": step, **result})
@@ -1071,25 +1151,28 @@ def pass_at_k(n, c, k):
 @torch.no_grad()
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
     """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
-    samples. Rank r takes problems r, r + world_size, ...; the sums are reduced over ranks."""
+    samples, replies up to --eval-max-new-tokens long. Rank r takes problems r, r + world_size, ...; the sums are
+    reduced over ranks. -> (the metrics, this rank's greedy replies with their verdicts)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
-    start, chunk = time.time(), 32
+    replies, start, chunk = [], time.time(), 32
     for i in range(0, len(mine), chunk):
         conversations = [task[j] for j in mine[i:i + chunk]]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
-            greedy = generate(model, tokenizer, prompts, 1, args.max_new_tokens, temperature=0, tool=task.tool)
-            sampled = generate(model, tokenizer, prompts, args.pass_k, args.max_new_tokens, args.temperature,
+            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool)
+            sampled = generate(model, tokenizer, prompts, args.pass_k, args.eval_max_new_tokens, args.temperature,
                                args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]],
                                tool=task.tool) if args.pass_k else None
         for p, conversation in enumerate(conversations):
             reply = reply_text(tokenizer, greedy, p)
-            metrics = task.eval_metrics(conversation, reply)
-            totals[:2 + len(names)] += torch.tensor([1, task.reward(conversation, reply)] + [metrics[k] for k in names],
-                                                    dtype=torch.float64)
+            reward, metrics = task.reward(conversation, reply), task.eval_metrics(conversation, reply)
+            totals[:2 + len(names)] += torch.tensor([1, reward] + [metrics[k] for k in names], dtype=torch.float64)
+            replies.append(dict(index=mine[i + p], question=conversation["messages"][0]["content"], reply=reply,
+                                reward=reward, **metrics, length=greedy["lengths"][p].item(),
+                                truncated=bool(greedy["truncated"][p])))
             if sampled is not None:
                 correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
                               for g in range(args.pass_k))
@@ -1101,7 +1184,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
     result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item()}
     result.update({f"eval_{name}": (totals[2 + j] / count).item() for j, name in enumerate(names)})
     result.update({f"eval_pass@{k}": (totals[1 + len(names) + k] / count).item() for k in range(1, args.pass_k + 1)})
-    return result
+    return result, replies
 
 
 def progress(label, done, total, start):
@@ -1186,7 +1269,7 @@ def compare_runs(run_dirs, plot_path):
         try:
             with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
-            metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            metrics = read_step_log(os.path.join(run_dir, "metrics.jsonl"))
             if not isinstance(config, dict) or not {"task", "algo"} <= set(config) or config["task"] not in TASKS:
                 raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:

@@ -311,8 +311,9 @@ class GPT(nn.Module):
     def forward(self, idx, cache=None, softcap=True):
         return self.logits(self.hidden(idx, cache), softcap)
 
-    def token_logprobs(self, idx, targets, temperature=1.0, chunk_size=16384):
-        """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32.
+    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, chunk_size=16384):
+        """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
+        also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
         chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
@@ -321,15 +322,22 @@ class GPT(nn.Module):
         flat_targets = targets.flatten()
 
         def chunk_logprobs(x_chunk, target_chunk):
-            logits = self.logits(x_chunk) / temperature
-            return logits.gather(1, target_chunk[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
+            logits = self.logits(x_chunk) / temperature  # [chunk, V]
+            normaliser = torch.logsumexp(logits, dim=1)
+            logprobs = logits.gather(1, target_chunk[:, None]).squeeze(1) - normaliser
+            if not with_entropy:
+                return logprobs
+            log_p = logits - normaliser[:, None]
+            return logprobs, -(log_p.exp() * log_p).sum(dim=1)
 
         out = []
         for i in range(0, x.size(0), chunk_size):
             args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
             out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
                        else chunk_logprobs(*args))
-        return torch.cat(out).view_as(targets)
+        if not with_entropy:
+            return torch.cat(out).view_as(targets)
+        return tuple(torch.cat(parts).view_as(targets) for parts in zip(*out))
 
 
 

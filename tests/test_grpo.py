@@ -92,9 +92,9 @@ def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
     # With two epochs the first pass has rho = 1 exactly; clip_frac is the second pass's share, not half of it.
     original, clipped_per_pass = grpo.clipped_policy_loss, []
 
-    def recording(*a):
-        loss, clipped = original(*a)
-        clipped_per_pass.append(clipped.detach())
+    def recording(log_ratio, *a):
+        loss, clipped = original(log_ratio, *a)
+        clipped_per_pass.append((clipped.detach(), log_ratio.detach()))
         return loss, clipped
 
     monkeypatch.setattr(grpo, "clipped_policy_loss", recording)
@@ -102,9 +102,12 @@ def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
     model, batch = sampled_batch(args)
     stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     mask = batch["loss_mask"]
-    assert len(clipped_per_pass) == 2 and not clipped_per_pass[0].any()
-    expected = ((clipped_per_pass[1] * mask).sum() / mask.sum()).item()
-    assert expected > 0 and stats["clip_frac"] == pytest.approx(expected)
+    assert len(clipped_per_pass) == 2 and not clipped_per_pass[0][0].any()
+    clipped, log_ratio = clipped_per_pass[1]
+    low, high = [((clipped * side * mask).sum() / mask.sum()).item() for side in (log_ratio < 0, log_ratio > 0)]
+    assert low > 0 and high > 0  # both sides clip here: the split is tested, not just one side
+    assert stats["clip_frac_low"] == pytest.approx(low) and stats["clip_frac_high"] == pytest.approx(high)
+    assert stats["clip_frac"] == pytest.approx(((clipped * mask).sum() / mask.sum()).item())
 
 
 def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
@@ -177,7 +180,7 @@ def test_the_tasks_tool_reaches_the_sampler_in_training_and_eval(monkeypatch):
     args = args_for("--pass-k", "2")
     model, _ = sampled_batch(args)
     grpo.sample_groups(model, TOK, SortWithCalculator("train"), [0, 1], [5, 6], args, NO_AUTOCAST)
-    result = grpo.evaluate(model, TOK, SortWithCalculator("test"), 3, args, 0, 1, NO_AUTOCAST)
+    result, _ = grpo.evaluate(model, TOK, SortWithCalculator("test"), 3, args, 0, 1, NO_AUTOCAST)
     assert tools == [calculator] * 3 and result["eval_examples"] == 3 and "eval_exact" in result
     tools.clear()
     grpo.sample_groups(model, TOK, Sort("train"), [0, 1], [5, 6], args, NO_AUTOCAST)

@@ -1,0 +1,174 @@
+"""
+Seeing what the policy does and running long: the replies on disk (samples.jsonl, evals/step_N.jsonl), the exact
+entropy and its bonus, the learning-rate schedules, the eval length limit, the training states kept on disk, and the
+prompt rendering against nanochat's own.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import grpo
+from conftest import Killed
+from model import GPT, GPTConfig, Tokenizer
+from test_faults import flags
+from test_generations import FIXTURES
+from test_grpo import NO_AUTOCAST, args_for, sampled_batch
+
+
+def lines(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_samples_and_eval_replies_are_written_and_a_resume_logs_each_step_once(tmp_path, run_killed_after_first_save):
+    argv = flags(tmp_path, "--num-steps", "3", "--save-every", "2", "--eval-every", "2", "--eval-examples", "5",
+                 "--final-eval-examples", "6", "--log-samples", "3")
+    grpo.main(argv[:argv.index("--run-name") + 1] + ["straight"] + argv[argv.index("--run-name") + 2:])
+    straight = tmp_path / "runs" / "straight"
+    samples = lines(straight / "samples.jsonl")
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for s in samples:
+        assert set(s) == set(grpo.SAMPLE_COLUMNS) and len(s["question"]) == 5 and isinstance(s["reply"], str)
+    # a group's best and worst reply side by side, the best first
+    for step in (1, 2, 3):
+        best, worst = [s for s in samples if s["step"] == step][:2]
+        assert best["index"] == worst["index"] and best["reward"] >= worst["reward"]
+        assert best["advantage"] >= worst["advantage"]
+    assert sorted(os.listdir(straight / "evals")) == ["step_0.jsonl", "step_2.jsonl", "step_3.jsonl"]
+    metrics = lines(straight / "metrics.jsonl")
+    for step, n in ((0, 5), (2, 5), (3, 6)):
+        replies = lines(straight / "evals" / f"step_{step}.jsonl")
+        assert [r["index"] for r in replies] == list(range(n))
+        (logged,) = [m for m in metrics if m["step"] == step and "eval_reward" in m]
+        assert sum(r["reward"] for r in replies) / n == pytest.approx(logged["eval_reward"])
+        assert sum(r["exact"] for r in replies) / n == pytest.approx(logged["eval_exact"])
+
+    run_killed_after_first_save(argv)  # killed right after the step-2 checkpoint: step 3 and its eval are redone
+    resumed = tmp_path / "runs" / "base"
+    grpo.main(argv + ["--resume"])
+    assert (resumed / "samples.jsonl").read_text() == (straight / "samples.jsonl").read_text()
+    for name in os.listdir(straight / "evals"):
+        assert (resumed / "evals" / name).read_text() == (straight / "evals" / name).read_text()
+
+
+def test_the_exact_entropy_equals_a_direct_computation():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, n_embd=32))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    idx, targets = torch.randint(0, 50, (3, 11)), torch.randint(0, 50, (3, 11))
+    logprobs, entropy = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True, chunk_size=7)
+    log_p = torch.log_softmax(model(idx).float() / 0.7, dim=-1)  # [B, T, V], fine at this size
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1), rtol=0, atol=1e-5)
+    assert torch.equal(logprobs, model.token_logprobs(idx, targets, temperature=0.7, chunk_size=7))
+    # and the update logs its mean over the policy tokens
+    args = args_for("--algo", "reinforce", "--temperature", "0.7")
+    model, batch = sampled_batch(args)
+    mask = batch["loss_mask"]
+    with torch.no_grad():
+        _, direct = model.token_logprobs(batch["input_ids"], batch["target_ids"], 0.7, with_entropy=True)
+    stats, _ = grpo.policy_update(model, [torch.optim.SGD(model.parameters(), lr=0.0)], batch, args, NO_AUTOCAST)
+    assert stats["entropy"] == pytest.approx(((direct * mask).sum() / mask.sum()).item(), abs=1e-5)
+
+
+def entropy_after_updates(coef, steps=5):
+    args = args_for("--algo", "reinforce", "--entropy-coef", str(coef), "--optimizer", "adamw", "--lr", "3e-3")
+    model, batch = sampled_batch(args)
+    batch["advantages"].zero_()  # no policy signal: only the entropy term can move the weights
+    optimizers = grpo.make_optimizers(model, args)
+    return [grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)[0]["entropy"] for _ in range(steps)]
+
+
+def test_the_entropy_bonus_raises_the_entropy_through_its_gradient():
+    with_bonus, without = entropy_after_updates(0.1), entropy_after_updates(0.0)
+    assert with_bonus[-1] > with_bonus[0] + 0.01  # not detached: its gradient moved the weights up the entropy
+    assert without[0] == without[-1] == with_bonus[0]  # zero advantages and no bonus: no gradient at all
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    ("linear", lambda p: 1 - p), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))), ("constant", lambda p: 1)])
+def test_the_learning_rate_schedules_follow_their_formula(schedule, expected):
+    args = args_for("--num-steps", "12", "--lr-schedule", schedule, "--warmup-steps", "2", "--min-lr-frac", "0.1")
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=20, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
+    optimizers = grpo.make_optimizers(model, args)
+    initial = [g["initial_lr"] for opt in optimizers for g in opt.param_groups]
+    for step, multiplier in [(0, 0.5), (1, 1.0)] + [(s, 0.1 + 0.9 * expected((s - 2) / 10)) for s in (2, 5, 7, 11)]:
+        assert grpo.set_learning_rates(optimizers, step, args) == pytest.approx(multiplier, abs=1e-12)
+        assert [g["lr"] for opt in optimizers for g in opt.param_groups] == pytest.approx(
+            [lr * multiplier for lr in initial], abs=0)
+    # the defaults are nanochat's linear decay to zero, bit for bit
+    default = args_for("--num-steps", "12")
+    assert [grpo.lr_multiplier(s, default) for s in range(12)] == [1.0 - s / 12 for s in range(12)]
+
+
+def test_a_resumed_run_follows_the_schedule(tmp_path, run_killed_after_first_save):
+    argv = flags(tmp_path, "--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr-frac", "0.2",
+                 "--save-every", "2")
+    grpo.main(argv[:argv.index("--run-name") + 1] + ["straight"] + argv[argv.index("--run-name") + 2:])
+    run_killed_after_first_save(argv)
+    grpo.main(argv + ["--resume"])
+    runs = [[m for m in lines(tmp_path / "runs" / name / "metrics.jsonl") if "reward" in m]
+            for name in ("straight", "base")]
+    assert [m["lr_multiplier"] for m in runs[1]] == [m["lr_multiplier"] for m in runs[0]]
+    assert [m["lr_multiplier"] for m in runs[0]] == [1.0, 1.0, 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi / 3)),
+                                                     0.2 + 0.8 * 0.5 * (1 + math.cos(2 * math.pi / 3))]
+    assert [m["loss"] for m in runs[1]] == [m["loss"] for m in runs[0]]
+
+
+def checkpoint_files(run_dir):
+    return sorted(os.listdir(run_dir / "chatrl_checkpoints" / "d2"))
+
+
+def test_only_the_newest_states_are_kept_and_every_model(tmp_path):
+    grpo.main(flags(tmp_path, "--num-steps", "5", "--keep-states", "2"))
+    files = checkpoint_files(tmp_path / "runs" / "base")
+    assert [f for f in files if f.startswith("state_")] == ["state_000004.pt", "state_000005.pt"]
+    assert [f for f in files if f.startswith("model_")] == [f"model_{s:06d}.pt" for s in range(1, 6)]
+    grpo.main(flags(tmp_path, "--num-steps", "3", "--keep-states", "0", name="all"))
+    assert len([f for f in checkpoint_files(tmp_path / "runs" / "all") if f.startswith("state_")]) == 3
+
+
+def test_a_kill_while_saving_leaves_the_newest_complete_state(tmp_path, monkeypatch, capsys):
+    save = grpo.save_checkpoint
+
+    def killed_writing_model_4(checkpoint_dir, step, *a):
+        if step == 4:
+            raise Killed  # state_000004.pt is written, its model is not: step 4 is not complete
+        save(checkpoint_dir, step, *a)
+
+    monkeypatch.setattr(grpo, "save_checkpoint", killed_writing_model_4)
+    argv = flags(tmp_path, "--num-steps", "5", "--keep-states", "1")
+    with pytest.raises(Killed):
+        grpo.main(argv)
+    assert grpo.complete_steps(str(tmp_path / "runs" / "base" / "chatrl_checkpoints" / "d2")) == [3]
+    assert [f for f in checkpoint_files(tmp_path / "runs" / "base") if f.startswith("state_")] == [
+        "state_000003.pt", "state_000004.pt"]  # the incomplete step-4 state deleted nothing
+    monkeypatch.undo()
+    grpo.main(argv + ["--resume"])
+    assert "resumed from step 3" in capsys.readouterr().out
+    assert [f for f in checkpoint_files(tmp_path / "runs" / "base") if f.startswith("state_")] == ["state_000005.pt"]
+
+
+def test_eval_replies_are_not_cut_at_the_training_limit(tmp_path):
+    grpo.main(flags(tmp_path, "--num-steps", "1", "--max-new-tokens", "3", "--eval-max-new-tokens", "7",
+                    "--eval-every", "1", "--eval-examples", "8", "--final-eval-examples", "8"))
+    replies = lines(tmp_path / "runs" / "base" / "evals" / "step_0.jsonl")
+    assert max(r["length"] for r in replies) == 7  # a random model rarely stops: its replies run to the eval limit
+    train = lines(tmp_path / "runs" / "base" / "samples.jsonl")
+    assert max(s["length"] for s in train) <= 3
+
+
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_prompts_render_as_nanochat_renders_them(generation):
+    """nanochat rendered these GSM8K-style prompts itself (the fixtures' chat prompts): the same ids from the text."""
+    folder = os.path.join(FIXTURES, generation)
+    if not os.path.isdir(folder):
+        pytest.skip("nanochat fixtures not found at ../shared/fixtures/nanochat")
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "base", "tokenizer", "tokenizer.pkl"))
+    reference = torch.load(os.path.join(folder, "reference.pt"), weights_only=True)
+    for key in ("prompt_logits", "prompt_greedy", "prompt_logprob"):
+        ids = reference[key]
+        text = tokenizer.decode(ids[2:-2])  # between <|bos|> <|user_start|> and <|user_end|> <|assistant_start|>
+        assert tokenizer.render_for_completion({"messages": [{"role": "user", "content": text}]}) == ids, key
