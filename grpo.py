@@ -14,7 +14,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     rho_t     = pi_theta(o_t) / pi_old(o_t)
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
-    loss      = aggregate(policy_t + beta * kl_t)  over the reply tokens of the batch  (token | sequence | constant)
+    H_t       = entropy of pi_theta at the token's position (the full distribution)
+    loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens (token | sequence | constant)
 The code reads top to bottom in the order a step runs; below the banner, the run's plumbing."""
 import argparse
 import copy
@@ -54,14 +55,10 @@ TASKS = {"gsm8k": GSM8K, "sort": Sort}
 
 def at_least(low):
     """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
-    def integer(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
+    def integer(text):  # not a number: argparse says "invalid integer value", after this function's name
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {int(text)}")
+        return int(text)
     return integer
 
 
@@ -116,8 +113,7 @@ arg("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on t
 arg("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
 arg("--weight-decay", type=float, default=0.0)
 arg("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
-arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, down to "
-    "--min-lr-frac at the last step (linear: nanochat's)")
+arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
 arg("--warmup-steps", type=at_least(0), default=0, help="linear warmup from 1/N of the learning rates")
 arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
 arg("--num-steps", type=count, default=None, help="default: one epoch of GSM8K train; 300 for sort")
@@ -240,16 +236,14 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, advantages, loss_ma
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
     policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    loss_entropy = aggregate(entropy, loss_mask, args.aggregation, denominator)  # entropy is finite everywhere
-    parts = dict(logprobs=logprobs, log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy,
-                 entropy=entropy.detach())
+    parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach())
     loss = loss_policy
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
         parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
         loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
-    if args.entropy_coef:
-        loss = loss - args.entropy_coef * loss_entropy  # - entropy bonus: keeps the policy from collapsing early
+    if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
+        loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
     return loss, parts
 
 
@@ -263,9 +257,8 @@ def overlong_penalty(lengths, max_len, buffer):
 
 
 def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
-    """G replies to each of these questions, scored -> indices [P], prompts (P token lists), samples (P * G rows),
-    and [P, G] task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are
-    built from."""
+    """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), and [P, G]
+    task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are built from."""
     G = args.num_samples
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in conversations]
