@@ -10,7 +10,7 @@ simplified REINFORCE and DeepSeekMath's full GRPO, and everything in between.
     python grpo.py --compare runs/a runs/b           # side-by-side table and plot of finished runs
 
 The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per reply token t:
-    A_i       = r_i - mean(r)                     (--advantage mean)  or  / (std(r) + eps)   (zscore)
+    A_i       = r_i - mean(r)   (--advantage mean);  / (std(r) + eps)   (zscore);  * G / (G - 1)   (rloo)
     rho_t     = pi_theta(o_t) / pi_old(o_t)
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
@@ -67,14 +67,17 @@ parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE o
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)")
 arg = parser.add_argument
 # the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
-arg("--algo", default="reinforce", choices=["reinforce", "grpo", "dr_grpo", "dapo", "gspo"], help="algorithm preset")
-arg("--advantage", choices=["mean", "zscore"], help="r - mean(r), or z-scored within the group")
+arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo"],
+    help="algorithm preset")
+arg("--advantage", choices=["mean", "zscore", "rloo", "batch"],
+    help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards")
 arg("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
 arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
 arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
 arg("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
+arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (off: none)")
 arg("--kl-coef", type=float, help="beta; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
 arg("--ref-reset-every", type=at_least(0), help="copy the policy into the reference every N steps (0: never)")
@@ -148,6 +151,8 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
                  clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
                  drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
 }
+# RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
+PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
 # DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
 PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
@@ -168,11 +173,18 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
 
 def group_advantages(rewards, kind, eps=1e-4):
     """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group."""
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    G = rewards.size(1)
+    # An all-equal group has exactly 0 advantages under every kind, never rounding noise divided by a tiny std.
+    centered = torch.where(equal_groups(rewards)[:, None], 0.0, rewards - rewards.mean(dim=1, keepdim=True))
     if kind == "mean":
         return centered
-    # z-score, with the unbiased std (as the common GRPO implementations). An all-equal group has
-    # centered == 0 and std == 0, so its advantages are 0 / eps = 0, never NaN.
+    if kind == "rloo":  # RLOO: baseline = mean of the other G - 1 rewards, i.e. G / (G - 1) * (r_i - mean(r))
+        return centered * (G / (G - 1))
+    if kind == "batch":  # group mean, std of the whole step's rewards over all ranks (Lite PPO, REINFORCE++-baseline)
+        count, total, squares = all_reduce(torch.stack([torch.tensor(rewards.numel(), dtype=torch.float64),
+                                                        rewards.double().sum(), rewards.double().square().sum()]))
+        return centered / (((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float() + eps)
+    # z-score, with the unbiased std (as the common GRPO implementations)
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
 
 
@@ -182,7 +194,7 @@ def sequence_log_ratio(log_ratio, loss_mask):
     return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
 
 
-def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high):
+def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
     """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
     advantages [B, 1] -> (loss, clipped), shaped like log_ratio. With pi_old = pi_theta detached the ratio is
     exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
@@ -191,7 +203,11 @@ def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high):
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
     # direction the advantage pushes it.
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
+    if clip_c is not None:  # dual clip (Ye et al. 2020): with A < 0 a huge ratio costs at most -C * A
+        dual = (advantages < 0) & (loss > -clip_c * advantages)
+        loss, was_clipped = torch.where(dual, -clip_c * advantages, loss), was_clipped | dual
+    return loss, was_clipped
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator):
@@ -234,7 +250,7 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, advantages, loss_ma
     log_ratio = logprobs - old  # [B, T]
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
-    policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high)
+    policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high, args.clip_ratio_c)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
     parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach())
     loss = loss_policy
@@ -531,6 +547,8 @@ def check_config(args):
         (args.num_samples < 2,
          f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
+        (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
+         "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (args.warmup_steps >= args.num_steps,
@@ -1245,7 +1263,7 @@ def leave_process_group():
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
-COMPARE_HEADER = ["run", "algo", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval",
+COMPARE_HEADER = ["run", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval",
                   "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
 
 
@@ -1283,7 +1301,8 @@ def compare_runs(run_dirs, plot_path):
     table = [COMPARE_HEADER]
     for name, seeds in zip(names, configurations.values()):
         per_seed = [run_summary(config, metrics) for _, config, metrics in seeds]
-        table.append([name, seeds[0][1]["algo"], len(seeds)] + [across_seeds(values) for values in zip(*per_seed)])
+        table.append([name, seeds[0][1]["algo"], seeds[0][1].get("advantage"), len(seeds)]
+                     + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(COMPARE_HEADER))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))

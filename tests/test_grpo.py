@@ -325,6 +325,50 @@ def test_advantages_by_hand_and_all_equal_groups():
     torch.testing.assert_close(z[2], mean[2] / (1.5 + 1e-4))
 
 
+def test_rloo_and_batch_advantages_against_their_definitions(monkeypatch):
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0, 0.0], [0.7] * 6, [0.0, 0.2, 0.9, 0.4, 0.4, 1.0]])
+    rloo = grpo.group_advantages(rewards, "rloo")
+    for p in range(3):
+        for i in range(6):  # r_i minus the mean of the other five
+            others = torch.cat([rewards[p, :i], rewards[p, i + 1:]])
+            assert rloo[p, i].item() == pytest.approx((rewards[p, i] - others.mean()).item(), abs=1e-6)
+    batch = grpo.group_advantages(rewards, "batch")
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    torch.testing.assert_close(batch[[0, 2]], centered[[0, 2]] / (rewards.flatten().std() + 1e-4))
+    for kind in ("mean", "zscore", "rloo", "batch"):  # 0.7 * 6 / 6 is not 0.7 in float32: zeros all the same
+        assert (grpo.group_advantages(rewards, kind)[1] == 0).all(), kind
+    # across ranks, the std is the whole step's: two ranks holding halves give one rank's advantages
+    halves = [rewards[:2], rewards[2:]]
+
+    def sum_of_both_ranks(tensor, op=None):
+        both = [torch.stack([torch.tensor(h.numel(), dtype=torch.float64), h.double().sum(),
+                             h.double().square().sum()]) for h in halves]
+        tensor.copy_(both[0] + both[1])
+        return tensor
+
+    monkeypatch.setattr(grpo, "all_reduce", sum_of_both_ranks)
+    torch.testing.assert_close(torch.cat([grpo.group_advantages(h, "batch") for h in halves]), batch)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    log_ratio = torch.log(torch.tensor([[0.5, 1.0, 1.1, 2.0, 10.0, 100.0]]))
+    for advantage in (-2.0, 1.5):
+        A = torch.tensor([[advantage]])
+        plain, plain_clipped = grpo.clipped_policy_loss(log_ratio, A, 0.2, 0.2)
+        dual, dual_clipped = grpo.clipped_policy_loss(log_ratio, A, 0.2, 0.2, clip_c=3.0)
+        if advantage > 0:  # nothing changes for positive advantages
+            assert torch.equal(dual, plain) and torch.equal(dual_clipped, plain_clipped)
+            continue
+        # verl's definition: with A < 0, min(the PPO loss, -C * A)
+        torch.testing.assert_close(dual, torch.minimum(plain, torch.tensor(-3.0 * advantage)))
+        assert dual[0, -2:].tolist() == [6.0, 6.0] and plain[0, -1].item() == pytest.approx(200.0)
+        assert dual_clipped[0].tolist() == [True, False, False, False, True, True]  # 0.5: the low-side PPO clip
+    # and no gradient flows through a dual-clipped token
+    log_ratio = log_ratio.clone().requires_grad_()
+    grpo.clipped_policy_loss(log_ratio, torch.tensor([[-2.0]]), 0.2, 0.2, clip_c=3.0)[0].sum().backward()
+    assert log_ratio.grad[0, -2:].tolist() == [0.0, 0.0] and log_ratio.grad[0, 2].item() != 0
+
+
 def test_aggregations_by_hand_including_an_all_masked_reply():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -556,7 +600,7 @@ def test_eval_only_and_compare(tmp_path, capsys):
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert [row[:4] for row in table[1:]] == [["a", "reinforce", 1, 2], ["b", "grpo", 1, 2]]
+    assert [row[:5] for row in table[1:]] == [["a", "reinforce", "mean", 1, 2], ["b", "grpo", "zscore", 1, 2]]
     assert "reinforce" in out and "grpo" in out
     with pytest.raises(SystemExit, match="not a finished run"):
         grpo.main(["--compare", str(tmp_path / "missing")])
@@ -573,7 +617,7 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
     table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1"), str(other / "cfg-seed0"),
                        "--runs-dir", str(tmp_path)])
     rows = {row[0]: row for row in table[1:]}
-    assert set(rows) == {"cfg", "cfg-seed0"} and rows["cfg"][2] == 2 and rows["cfg-seed0"][2] == 1
+    assert set(rows) == {"cfg", "cfg-seed0"} and rows["cfg"][3] == 2 and rows["cfg-seed0"][3] == 1
     header = table[0]
     rewards = [json.loads(line)["reward"] for name in ("cfg-seed0", "cfg-seed1")
                for line in open(tmp_path / name / "metrics.jsonl") if '"reward"' in line]
@@ -586,7 +630,7 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
     assert sorted(row[0] for row in table[1:]) == sorted([os.path.join(tmp_path.name, "cfg-seed0"), "other/cfg-seed0"])
     # and a seed of a configuration under another folder name joins it
     table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
-    assert [row[2] for row in table[1:]] == [2]
+    assert [row[3] for row in table[1:]] == [2]
 
 
 def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):
