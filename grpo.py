@@ -87,6 +87,9 @@ arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: res
 arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most")
 arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise the last N tokens before --max-new-tokens")
 arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the policy's entropy")
+arg("--rollout-correction", default="off", choices=["off", "tis", "mask"],
+    help="correct for the sampler's own distribution: weight by min(pi_old / pi_sampler, C) or drop outside [1/C, C]")
+arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction")
 # the task and the start policy
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
 arg("--task", default="gsm8k", choices=list(TASKS))
@@ -238,10 +241,18 @@ def aggregate(per_token, loss_mask, kind, denominator):
     return summed.sum() / denominator
 
 
-def objective(logprobs, entropy, old_logprobs, ref_logprobs, advantages, loss_mask, denominator, args):
+def rollout_weights(sampler_gap, kind, cap):
+    """Per-token weights [B, T] of the policy term from log(pi_old / pi_sampler) [B, T], detached. tis (truncated
+    importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap], else 0."""
+    ratio = torch.exp(sampler_gap)
+    return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
+
+
+def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, advantages, loss_mask, denominator,
+              args):
     """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
-    the gradient; old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL) are frozen;
-    advantages [B, 1]. -> (loss, its parts for the statistics)"""
+    the gradient; old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL), sampler_logprobs
+    are frozen; advantages [B, 1]. -> (loss, its parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
@@ -251,8 +262,12 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, advantages, loss_ma
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
     policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high, args.clip_ratio_c)
+    sampler_gap = old - torch.where(keep, sampler_logprobs, 0.0)  # log pi_old - log pi_sampler, [B, T]
+    if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
+        policy = policy * rollout_weights(sampler_gap, args.rollout_correction, args.rollout_correction_cap)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach())
+    parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
+                 sampler_gap=sampler_gap)
     loss = loss_policy
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
@@ -328,11 +343,13 @@ def make_batch(prompts, samples, rewards, args):
     input_ids = torch.zeros(len(lengths), T, dtype=torch.long)  # [N, T]
     target_ids = torch.zeros(len(lengths), T, dtype=torch.long)
     loss_mask = torch.zeros(len(lengths), T)
+    sampler_logprobs = torch.zeros(len(lengths), T)  # log pi_sampler of each reply token, as generate drew it
     for row, length in enumerate(lengths):
         prompt = prompts[row // G]
         sequence = torch.tensor(prompt + samples["tokens"][row, :length].tolist())
         input_ids[row, :len(sequence) - 1], target_ids[row, :len(sequence) - 1] = sequence[:-1], sequence[1:]
         loss_mask[row, len(prompt) - 1:len(sequence) - 1] = samples["mask"][row, :length].float()
+        sampler_logprobs[row, len(prompt) - 1:len(sequence) - 1] = samples["logprobs"][row, :length]
     equal = equal_groups(rewards)  # [P]
     if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
         loss_mask *= (~equal).repeat_interleave(G)[:, None]
@@ -340,7 +357,7 @@ def make_batch(prompts, samples, rewards, args):
         loss_mask *= (~samples["truncated"])[:, None]
     advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
     return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
-                equal_groups=equal)  # [P], logged
+                sampler_logprobs=sampler_logprobs, equal_groups=equal)  # [P], logged
 
 
 @torch.no_grad()
@@ -393,7 +410,8 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                                                              args.temperature, with_entropy=True)
                 loss, parts = objective(logprobs, entropy, old_logprobs[mb] if reused else None,
                                         ref_logprobs[mb] if ref_model is not None else None,
-                                        advantages[mb], loss_mask[mb], denominator, args)
+                                        batch["sampler_logprobs"][mb], advantages[mb], loss_mask[mb], denominator,
+                                        args)
                 loss.backward()
                 minibatch_loss += loss.detach()
                 add_micro_batch_stats(stats, loss, parts, loss_mask[mb])
@@ -547,6 +565,7 @@ def check_config(args):
         (args.num_samples < 2,
          f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
+        (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
@@ -1044,7 +1063,7 @@ def read_step_log(path, log=print):
 def update_stats(device):
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped_low", "clipped_high", "clip_tokens",
-                                      "tokens", "kl", "entropy")}
+                                      "tokens", "kl", "entropy", "sampler_gap")}
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
                 grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
@@ -1091,6 +1110,7 @@ def add_micro_batch_stats(stats, loss, parts, mask):
         sums["clip_tokens"] += mask.sum()
     sums["tokens"] += mask.sum()
     sums["entropy"] += (parts["entropy"] * mask).sum()
+    sums["sampler_gap"] += (parts["sampler_gap"].abs() * mask).sum()
     ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
     stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
     stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
@@ -1113,6 +1133,7 @@ def finish_update_stats(stats, args, with_kl):
         "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
         "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
         "entropy": (sums["entropy"] / tokens).item(),
+        "sampler_gap": (sums["sampler_gap"] / tokens).item(),  # mean |log pi_old - log pi_sampler|
         "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
         "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
         "weight_norm_factor": stats["weight_norm_factor"].item(),
@@ -1263,8 +1284,8 @@ def leave_process_group():
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
-COMPARE_HEADER = ["run", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval", "best eval",
-                  "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
+COMPARE_HEADER = ["run", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval",
+                  "best eval", "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
 
 
 def eval_score_key(config):

@@ -345,21 +345,25 @@ class GPT(nn.Module):
 # The sampler
 
 def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
-    """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N].
-    temperature 0 is greedy.
+    """Raw (not yet softcapped) logits [N, V] and uniform noise [N] in [0, 1) -> token ids [N], and the log-prob
+    of each under the distribution it was drawn from (softcap, temperature, top-k renormalised) [N].
+    temperature 0 is greedy (log-prob 0: the token was certain).
 
     The softcap is monotonic, so greedy and the top-k set can be read off the raw logits and the
     softcap applied to the k survivors only: over a 65,536 vocabulary that, and sampling by inverse
     CDF rather than torch.multinomial, is most of the sampler's time on a CPU."""
     if temperature == 0:
-        return raw_logits.argmax(dim=-1)
+        return raw_logits.argmax(dim=-1), torch.zeros(raw_logits.size(0), device=raw_logits.device)
     if top_k:
         values, indices = torch.topk(raw_logits, min(top_k, raw_logits.size(-1)), dim=-1)  # [N, k]
     else:
         values, indices = raw_logits, None
-    cdf = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1).cumsum(dim=-1)
+    probs = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1)
+    cdf = probs.cumsum(dim=-1)
     choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
-    return (choice if indices is None else indices.gather(1, choice)).squeeze(1)
+    # a drawn token has probability > 0: the inverse CDF never lands on an empty interval
+    logprob = torch.log(probs.gather(1, choice) / cdf[:, -1:]).squeeze(1)
+    return (choice if indices is None else indices.gather(1, choice)).squeeze(1), logprob
 
 
 @torch.no_grad()
@@ -373,6 +377,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
       mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
         tool forced it and on padding;
+      logprobs [N, max_new_tokens]: each sampled token's log-prob under the distribution it was drawn from
+        (temperature, top-k renormalised, softcap), 0 for forced tokens and padding;
       lengths [N]: reply length including the stop token and forced tokens;
       truncated [N]: the reply hit max_new_tokens before a stop token.
     They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
@@ -394,10 +400,12 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
     shared = torch.arange(P, device=device).repeat_interleave(G)
     cache.select(shared)
-    sampled = sample_tokens(logits[shared], temperature, top_k, noise[:, 0], model.generation.softcap)  # [N]
+    sampled, sampled_logprob = sample_tokens(logits[shared], temperature, top_k, noise[:, 0],
+                                             model.generation.softcap)  # [N], [N]
 
     tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
+    logprobs = torch.zeros(N, max_new_tokens, device=device)
     lengths = torch.full((N,), max_new_tokens, device=device)
     truncated = torch.ones(N, dtype=torch.bool, device=device)
     rows = torch.arange(N, device=device)  # which output row each row of the running batch is
@@ -413,6 +421,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
         tokens[rows, t] = token
         mask[rows, t] = (~is_forced & ~done).long()
+        logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
         stopped = ~done & ~is_forced & torch.isin(token, stop_ids)
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
         truncated[rows] &= ~stopped
@@ -438,8 +447,10 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
         logits = model(token[:, None], cache, softcap=False)[:, -1]
-        sampled = sample_tokens(logits, temperature, top_k, noise[rows, t + 1], model.generation.softcap)
-    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, lengths=lengths, truncated=truncated).items()}
+        sampled, sampled_logprob = sample_tokens(logits, temperature, top_k, noise[rows, t + 1],
+                                                 model.generation.softcap)
+    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
+                                        truncated=truncated).items()}
 
 
 # -----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def naive_one_prompt(model):
     idx = torch.tensor([prompts[0]] * args.samples, device=device)
     for _ in range(args.max_new_tokens):
         logits = model.logits(model.hidden(idx)[:, -1], softcap=False)
-        token = sample_tokens(logits, 1.0, 50, torch.rand(len(idx), device=device), model.generation.softcap)
+        token, _ = sample_tokens(logits, 1.0, 50, torch.rand(len(idx), device=device), model.generation.softcap)
         idx = torch.cat([idx, token[:, None]], dim=1)
     return args.samples * args.max_new_tokens
 

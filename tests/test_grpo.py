@@ -637,3 +637,63 @@ def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gs
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     with pytest.raises(SystemExit, match=r"(?s)chatsft_checkpoints.*--demo"):
         grpo.main(["--gsm8k-dir", gsm8k_dir, "--runs-dir", str(tmp_path), "--device", "cpu"])
+
+
+# ---------------------------------------------------------------------------- the sampler's own log-probs
+
+def sampled_with_top_k(top_k, temperature=0.8):
+    args = args_for("--algo", "reinforce", "--temperature", str(temperature), "--top-k", str(top_k))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=TOK.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32),
+                "smear-backout")
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    prompts = [TOK.render_for_completion(Sort("train")[i]) for i in range(3)]
+    samples = generate(model, TOK, prompts, args.num_samples, 6, temperature, top_k or None, seed=1)
+    rewards = torch.rand(3, args.num_samples)
+    return args, model, prompts, samples, grpo.make_batch(prompts, samples, rewards, args)
+
+
+def test_the_sampler_returns_the_log_prob_of_the_distribution_it_drew_from():
+    for top_k in (0, 5):
+        args, model, prompts, samples, _ = sampled_with_top_k(top_k)
+        checked = 0
+        for row in range(samples["tokens"].size(0)):
+            prompt = prompts[row // args.num_samples]
+            reply = samples["tokens"][row, :samples["lengths"][row]].tolist()
+            raw = model(torch.tensor([prompt + reply]), softcap=False)[0, len(prompt) - 1:-1].float()  # no cache
+            for t, token in enumerate(reply):
+                values = raw[t].topk(top_k) if top_k else (raw[t], None)
+                log_p = torch.log_softmax(model.generation.softcap * torch.tanh(values[0] / model.generation.softcap)
+                                          / args.temperature, dim=-1)
+                expected = log_p[token] if not top_k else log_p[(values[1] == token).nonzero().item()]
+                assert samples["logprobs"][row, t].item() == pytest.approx(expected.item(), abs=1e-5)
+                checked += 1
+        assert checked > 20
+
+
+def test_sampler_gap_and_rollout_correction():
+    # full softmax in float32: the sampler's distribution is the trained one, so the gap is ~0 and tis does nothing
+    args, model, _, _, batch = sampled_with_top_k(0)
+    (plain,), stats = gradients(model, batch, args)
+    assert stats["sampler_gap"] < 1e-5
+    (corrected,), _ = gradients(model, batch, args_for(*["--algo", "reinforce", "--temperature", "0.8", "--top-k", "0",
+                                                         "--rollout-correction", "tis"]))
+    for a, b in zip(plain, corrected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # top-k 5: the sampler's log-probs are renormalised over 5 tokens, the trained ones over all
+    args, model, _, _, batch = sampled_with_top_k(5)
+    mask = batch["loss_mask"]
+    logprobs = model.token_logprobs(batch["input_ids"], batch["target_ids"], args.temperature)
+    gap = (logprobs.detach() - batch["sampler_logprobs"]) * mask  # log pi_old - log pi_sampler; pi_old = pi_theta
+    _, stats = gradients(model, batch, args)
+    assert stats["sampler_gap"] == pytest.approx((gap.abs().sum() / mask.sum()).item(), rel=1e-5) and (gap < 0).any()
+    for kind, weights in (("tis", torch.exp(gap).clamp(max=1.5)),
+                          ("mask", ((torch.exp(gap) >= 1 / 1.5) & (torch.exp(gap) <= 1.5)).float())):
+        flags = ["--algo", "reinforce", "--temperature", "0.8", "--top-k", "5", "--rollout-correction", kind,
+                 "--rollout-correction-cap", "1.5"]
+        (corrected,), _ = gradients(model, batch, args_for(*flags))
+        by_hand = -(weights * batch["advantages"][:, None] * logprobs * mask).sum() / mask.sum()
+        for a, b in zip(corrected, torch.autograd.grad(by_hand, list(model.parameters()), retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert 0 < (weights * mask).sum() < mask.sum()  # the correction did act on some tokens
