@@ -575,7 +575,7 @@ def test_demo_learns_from_random_weights(tmp_path, capsys):
     evals = [m for m in map(json.loads, open(tmp_path / "learn" / "metrics.jsonl")) if "eval_reward" in m]
     assert [m["step"] for m in evals] == [0, 60]
     assert evals[1]["eval_reward"] > evals[0]["eval_reward"] + 0.1, evals
-    assert any(line.split()[:4] == ["learn", "grpo", "1", "60"] for line in out.splitlines())  # the end-of-run summary
+    assert any(line.split()[:5] == ["learn", "grpo", "zscore", "1", "60"] for line in out.splitlines())  # the end-of-run summary
     assert os.path.isfile(tmp_path / "learn" / "curves.png") or "no plot: matplotlib is not installed" in out
 
 
