@@ -63,6 +63,15 @@ def at_least(low):
 
 
 count = at_least(1)
+
+
+def weights(text):
+    """The type of --reward-weights: "correct=1,format=0.1" -> {"correct": 1.0, "format": 0.1}."""
+    try:
+        pairs = [item.split("=") for item in text.split(",")]
+        return {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected name=weight,name=weight, got {text!r}") from None
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)")
 arg = parser.add_argument
@@ -95,6 +104,8 @@ arg("--demo", action="store_true", help="CPU demo defaults: sort task, tiny mode
 arg("--task", default="gsm8k", choices=list(TASKS))
 arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
 arg("--sort-length", type=count, default=5, help="digits per sort problem")
+arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
+    "its first term alone; gsm8k: correct, format; sort: reward)")
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', or a checkpoint folder")
 arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)")
 arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
@@ -288,21 +299,25 @@ def overlong_penalty(lengths, max_len, buffer):
 
 
 def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
-    """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), and [P, G]
-    task_rewards, penalty (shaping, 0 when off) and rewards, their sum: the one reward advantages are built from."""
+    """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), the task's reward
+    terms [P, G, terms], and [P, G] task_rewards (the terms, weighted), penalty (shaping, 0 when off) and rewards,
+    their sum: the one reward advantages are built from."""
     G = args.num_samples
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in conversations]
     with autocast:
         samples = generate(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_k, seed=seeds,
                            tool=task.tool)
-    task_rewards = torch.tensor([task.reward(conversations[row // G], reply_text(tokenizer, samples, row))
-                                 for row in range(len(prompts) * G)]).view(-1, G)  # [P, G]
+    terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
+        task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
+        for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
+    task_rewards = sum(weight * terms[..., task.reward_terms.index(name)]  # [P, G]
+                       for name, weight in args.reward_weights.items())
     penalty = torch.zeros_like(task_rewards)
     if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
         penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
-    return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, task_rewards=task_rewards,
-                penalty=penalty, rewards=task_rewards + penalty)
+    return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
+                task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty)
 
 
 def equal_groups(rewards):
@@ -548,6 +563,8 @@ def resolve_config(argv=None):
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
     if args.num_steps is None:
         args.num_steps = TASKS[args.task].default_num_steps(args.prompts_per_step)
+    if args.reward_weights is None:
+        args.reward_weights = {TASKS[args.task].reward_terms[0]: 1.0}
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -569,6 +586,9 @@ def check_config(args):
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (not set(args.reward_weights) <= set(TASKS[args.task].reward_terms) or not all(
+            map(math.isfinite, args.reward_weights.values())), f"--reward-weights: the {args.task} task's terms are "
+         f"{', '.join(TASKS[args.task].reward_terms)}, each with a finite weight (got {args.reward_weights})"),
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (args.warmup_steps >= args.num_steps,
          f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
@@ -890,7 +910,9 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     task_rewards, samples = groups["task_rewards"], groups["samples"]
-    local = dict(groups=len(groups["prompts"]), replies=task_rewards.numel(), reward=task_rewards.sum(),
+    names = [f"reward/{name}" for name in run.train_task.reward_terms]
+    local = dict(zip(names, groups["terms"].flatten(0, 1).sum(dim=0)))
+    local.update(groups=len(groups["prompts"]), replies=task_rewards.numel(), reward=task_rewards.sum(),
                  reward_group_std=groups["rewards"].std(dim=1).sum(), equal_groups=batch["equal_groups"].sum(),
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
@@ -899,7 +921,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     weights_finite = stats.pop("weights_finite")
     metrics = {"step": step + 1, "reward": sums["reward"] / sums["replies"],
                "reward_group_std": sums["reward_group_std"] / sums["groups"],
-               "equal_group_frac": sums["equal_groups"] / sums["groups"], **stats,
+               "equal_group_frac": sums["equal_groups"] / sums["groups"],
+               **{name: sums[name] / sums["replies"] for name in names}, **stats,
                "reply_len": sums["tokens"] / sums["replies"], "truncated_frac": sums["truncated"] / sums["replies"],
                "overlong_penalty": sums["overlong_penalty"] / sums["replies"],
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],

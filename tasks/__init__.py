@@ -5,6 +5,8 @@ A task is a sequence of conversations in nanochat's shape,
     {"messages": [{"role": "user", "content": str}, {"role": "assistant", "content": str | [parts]}]}
 with parts {"type": "text" | "python" | "python_output", "text": str}. The trainer asks a task for nothing else:
 - reward(conversation, reply_text) -> float, the RL signal;
+- reward_terms, reward_parts(conversation, reply_text) -> {name: float}: the reply scored by several named terms
+  (--reward-weights combines them); the first term alone is the default reward, so it must equal reward();
 - evaluate(conversation, reply_text) -> bool, a correct reply (pass@k counts these);
 - eval_metrics(conversation, reply_text) -> {name: float}, logged as eval_<name> next to eval_reward;
 - score: the eval metric that ranks runs in --compare (eval_<score>);
@@ -17,10 +19,14 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 
 
 class Task:
-    """What the tasks share: no tool, runs ranked by eval_reward, and indexing that ends at the last example
-    (len and example(index) are the task's own)."""
+    """What the tasks share: no tool, runs ranked by eval_reward, one reward term, and indexing that ends at the
+    last example (len and example(index) are the task's own)."""
     tool = None
     score = "reward"
+    reward_terms = ("reward",)
+
+    def reward_parts(self, conversation, reply_text):
+        return {"reward": self.reward(conversation, reply_text)}
 
     def fingerprint(self):
         return None

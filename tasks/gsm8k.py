@@ -180,6 +180,12 @@ def download(split, path, url):
         raise
 
 
+def ends_with_answer_line(reply_text):
+    """The reply's last non-empty line is `#### <number>` and nothing else."""
+    lines = [line.strip() for line in reply_text.strip().splitlines() if line.strip()]
+    return bool(lines) and re.fullmatch(r"#### -?\d[\d,]*(\.\d+)?", lines[-1]) is not None
+
+
 def find_split(split, data_dir=None, url=OFFICIAL_URL):
     """The path of {split}.jsonl, downloading it into the cache if no local copy exists."""
     for where, directory in (("data_dir / --gsm8k-dir", data_dir), ("$NANOGRPO_GSM8K_DIR", os.environ.get("NANOGRPO_GSM8K_DIR"))):
@@ -237,6 +243,13 @@ class GSM8K(Task):
 
     def reward(self, conversation, reply_text):
         return float(self.evaluate(conversation, reply_text))
+
+    # "format": the reply ends with a well-formed answer line. Easy to game (any number will do), so it is off
+    # unless --reward-weights gives it a weight, and then it should stay small next to "correct".
+    reward_terms = ("correct", "format")
+
+    def reward_parts(self, conversation, reply_text):
+        return {"correct": self.reward(conversation, reply_text), "format": float(ends_with_answer_line(reply_text))}
 
     def eval_metrics(self, conversation, reply_text):
         reference = self.reference(conversation)

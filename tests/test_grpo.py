@@ -697,3 +697,32 @@ def test_sampler_gap_and_rollout_correction():
         for a, b in zip(corrected, torch.autograd.grad(by_hand, list(model.parameters()), retain_graph=True)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         assert 0 < (weights * mask).sum() < mask.sum()  # the correction did act on some tokens
+
+
+def test_reward_weights_combine_the_task_terms(tmp_path, gsm8k_dir):
+    class TwoTerms(Sort):
+        reward_terms = ("reward", "short")
+
+        def reward_parts(self, conversation, reply_text):
+            return {"reward": self.reward(conversation, reply_text), "short": float(len(reply_text) < 4)}
+
+    args = args_for("--algo", "reinforce")
+    args.reward_weights = {"reward": 1.0, "short": 0.25}  # what --reward-weights reward=1,short=0.25 parses to
+    model, _ = sampled_batch(args)
+    groups = grpo.sample_groups(model, TOK, TwoTerms("train"), [0, 1], [5, 6], args, NO_AUTOCAST)
+    correct, short = groups["terms"][..., 0], groups["terms"][..., 1]
+    assert 0 < short.sum() < short.numel()  # both values of the second term occur
+    torch.testing.assert_close(groups["task_rewards"], correct + 0.25 * short)
+    # by default only the first term counts, bit for bit what reward() gives
+    default = grpo.sample_groups(model, TOK, TwoTerms("train"), [0, 1], [5, 6], args_for("--algo", "reinforce"),
+                                 NO_AUTOCAST)
+    assert torch.equal(default["task_rewards"], correct)
+    # GSM8K's terms are logged every step, and a name the task does not have is refused
+    grpo.main(["--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--init", "scratch", "--depth", "1", "--n-embd", "32",
+               "--n-head", "1", "--device", "cpu", "--runs-dir", str(tmp_path), "--run-name", "w", "--num-steps", "1",
+               "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "0",
+               "--reward-weights", "correct=1,format=0.1"])
+    (step,) = [m for m in map(json.loads, open(tmp_path / "w" / "metrics.jsonl")) if "reward" in m]
+    assert step["reward"] == pytest.approx(step["reward/correct"] + 0.1 * step["reward/format"])
+    with pytest.raises(SystemExit):
+        args_for("--reward-weights", "correct=1")  # the sort task has no "correct" term

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from model import Tokenizer
-from tasks.gsm8k import GSM8K, LENIENT_ANSWER, answer_to_parts, calculator, extract_answer, find_split, is_correct
+from tasks.gsm8k import (GSM8K, LENIENT_ANSWER, answer_to_parts, calculator, ends_with_answer_line, extract_answer,
+                         find_split, is_correct)
 from tasks.sort import Sort
 
 TOK = Tokenizer.byte_level()
@@ -207,3 +208,19 @@ def test_calculator_results_and_hostile_inputs():
     for expr in hostile:
         assert calculator(expr) is None, expr
     assert time.time() - start < 1.0
+
+
+@pytest.mark.parametrize("reply,well_formed", [
+    ("3 + 4 = 7\n#### 7", True), ("#### -1,200.50\n\n", True), ("#### 7 apples", False), ("#### 7\nso 7", False),
+    ("The answer is 7", False), ("", False), ("####7", False)])
+def test_the_format_term_reads_the_last_line(reply, well_formed):
+    assert ends_with_answer_line(reply) is well_formed
+
+
+def test_every_task_scores_its_first_term_as_its_reward(gsm8k_dir):
+    for task, replies in ((Sort("train"), ["01234", "1", ""]), (GSM8K("test", gsm8k_dir), ["#### 3", "no", "#### 18"])):
+        conversation = task[0]
+        for reply in replies:
+            parts = task.reward_parts(conversation, reply)
+            assert list(parts) == list(task.reward_terms)
+            assert parts[task.reward_terms[0]] == task.reward(conversation, reply)
