@@ -1,6 +1,7 @@
 """
-How far a run on several processes drifts from the same run on one: the demo model trained for --steps steps on one
-process and on --ranks gloo processes (same global batch), the weights compared after every step.
+How far a run on several processes drifts from the same run on one: the demo model (without its entropy bonus)
+trained for --steps steps on one process and on --ranks gloo processes (same global batch), the weights compared
+after every step.
 
     python tests/bench_ranks.py                                   # Muon, 2 minibatches, 10 steps, 2 ranks
     python tests/bench_ranks.py --optimizer adamw --minibatches 1
@@ -31,7 +32,7 @@ parser.add_argument("--port", type=int, default=29561)
 args = parser.parse_args()
 
 work = tempfile.mkdtemp(prefix="bench_ranks_")
-flags = ["grpo.py", "--demo", "--runs-dir", work, "--num-steps", str(args.steps), "--save-every", "1",
+flags = ["grpo.py", "--demo", "--entropy-coef", "0", "--runs-dir", work, "--num-steps", str(args.steps), "--save-every", "1",
          "--eval-every", "0", "--optimizer", args.optimizer, "--num-minibatches", str(args.minibatches)]
 env = dict(os.environ, OMP_NUM_THREADS="1")
 for name, launcher in (("one", [sys.executable]),
