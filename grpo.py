@@ -89,6 +89,8 @@ arg("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip
 arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (off: none)")
 arg("--kl-coef", type=float, help="beta; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
+arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
+    help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
 arg("--ref-reset-every", type=at_least(0), help="copy the policy into the reference every N steps (0: never)")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
@@ -670,7 +672,15 @@ def start_run(args, run_dir, rank, writes):
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     optimizers = make_optimizers(model, args)
+    if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
+        parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
+    if ref_model is not None and (args.ref_dtype or dtype) == "bfloat16":
+        # Under bf16 autocast every matmul casts its weight to bf16 anyway: stored so, the reference's matrices take
+        # half the memory and give the same numbers. Embeddings, gains and gates stay float32 (they enter no matmul).
+        for module in ref_model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.to(torch.bfloat16)
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,

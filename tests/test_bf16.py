@@ -1,4 +1,5 @@
 """Mixed precision (--dtype bfloat16) is CPU autocast here and CUDA autocast on a GPU: the same code, tested on the CPU."""
+import copy
 import json
 import os
 import subprocess
@@ -109,3 +110,38 @@ def test_gpu_bench_runs_its_code_on_a_tiny_shape():
     if not torch.cuda.is_available():
         plain = subprocess.run([sys.executable, bench], capture_output=True, text=True, check=True).stdout
         assert "needs" in plain or "none" in plain
+
+
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_a_bf16_stored_reference_gives_the_float32_references_log_probs(generation, monkeypatch):
+    model = random_model(generation)
+    ids = torch.tensor(random_tokens(40, 40))
+    float32_reference = copy.deepcopy(model)
+    stored = copy.deepcopy(model)
+    for module in stored.modules():  # what start_run does with --ref-dtype bfloat16
+        if isinstance(module, torch.nn.Linear):
+            module.to(torch.bfloat16)
+    assert sum(p.numel() for p in stored.parameters() if p.dtype == torch.bfloat16) > 0.5 * sum(
+        p.numel() for p in stored.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = float32_reference.token_logprobs(ids[:, :-1], ids[:, 1:])
+        b = stored.token_logprobs(ids[:, :-1], ids[:, 1:])
+    assert torch.equal(a, b)  # measured: identical (the matmuls' weights were cast to bf16 either way)
+
+
+def test_a_bf16_reference_is_built_by_default_under_bf16_and_resumes_exactly(tmp_path, run_killed_after_first_save):
+    flags = ["--demo", "--algo", "grpo", "--dtype", "bfloat16", "--runs-dir", str(tmp_path), "--eval-every", "0",
+             "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "3", "--save-every", "1",
+             "--ref-reset-every", "2"]
+    grpo.main(flags + ["--run-name", "straight"])
+    run_killed_after_first_save(flags + ["--run-name", "resumed"])
+    grpo.main(flags + ["--run-name", "resumed", "--resume"])
+    states = [torch.load(tmp_path / name / "chatrl_checkpoints" / "d2" / "state_000003.pt", weights_only=True)
+              for name in ("straight", "resumed")]
+    reference = states[0]["ref_model"]
+    assert reference["lm_head.weight"].dtype == torch.bfloat16 and reference["transformer.wte.weight"].dtype == \
+        torch.float32
+    for k in reference:  # the reference, reset from the policy at step 2, is the same after a resume
+        assert torch.equal(reference[k], states[1]["ref_model"][k]), k
+    with pytest.raises(SystemExit):
+        grpo.main(flags + ["--run-name", "f32", "--dtype", "float32", "--ref-dtype", "bfloat16"])
