@@ -894,16 +894,16 @@ def log_samples(args, run, step, groups, batch):
     reply side by side, groups whose rewards differ first (they are the ones the update learns from)."""
     if not (run.master and run.writes and args.log_samples):
         return
-    G, rewards = args.num_samples, groups["rewards"]
-    order = sorted(range(len(rewards)), key=lambda g: bool(batch["equal_groups"][g]))  # a stable sort
+    G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
+    equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
+    order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
     rows = [g * G + int(pick(rewards[g])) for g in order for pick in (torch.argmax, torch.argmin)][:args.log_samples]
     table = []
     for row in rows:
         index = int(groups["indices"][row // G])
         table.append([step + 1, index, run.train_task[index]["messages"][0]["content"],
-                      reply_text(run.tokenizer, groups["samples"], row), rewards.flatten()[row].item(),
-                      batch["advantages"][row].item(), int(groups["samples"]["lengths"][row]),
-                      bool(groups["samples"]["truncated"][row])])
+                      reply_text(run.tokenizer, samples, row), rewards.flatten()[row].item(), advantages[row],
+                      int(samples["lengths"][row]), bool(samples["truncated"][row])])
     with open(run.samples_path, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values))) + "\n" for values in table)
     if run.wandb:
@@ -1245,7 +1245,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])
         progress("eval", min(i + chunk, len(mine)), len(mine), start)
-    totals = all_reduce(totals.to(model.lm_head.weight.device))  # NCCL reduces GPU tensors only
+    totals = all_reduce(totals)
     count = totals[0].clamp(min=1)
     result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item()}
     result.update({f"eval_{name}": (totals[2 + j] / count).item() for j, name in enumerate(names)})
@@ -1283,8 +1283,12 @@ def prompt_indices(step, rank, world_size, args, num_examples):
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """Reduce over all ranks, in place. NCCL reduces GPU tensors only: a CPU tensor goes through the GPU there."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=op)
+        if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+            tensor.copy_(all_reduce(tensor.cuda(), op))
+        else:
+            dist.all_reduce(tensor, op=op)
     return tensor
 
 
