@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
-                   load_checkpoint, load_tensors, master_weights, nanochat_base_dir, save_checkpoint)
+                   load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir,
+                   save_checkpoint)
 from tasks.gsm8k import GSM8K
 from tasks.sort import Sort
 
@@ -136,6 +137,10 @@ arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"],
 arg("--warmup-steps", type=at_least(0), default=0, help="linear warmup from 1/N of the learning rates")
 arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
 arg("--num-steps", type=count, default=None, help="default: one epoch of GSM8K train; 300 for sort")
+arg("--lora-rank", type=at_least(0), default=0,
+    help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
+arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)")
+arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)")
 # evaluation, logging, checkpoints
 arg("--eval-every", type=at_least(0), default=60)
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
@@ -408,7 +413,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     start = time.time()
     reused = args.ppo_epochs * args.num_minibatches > 1
     old_logprobs = frozen_logprobs(model, batch, micro_batches, args, autocast) if reused else None
-    ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast) if ref_model is not None else None
+    ref_logprobs = None
+    if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
+        with ref_model.lora_disabled():
+            ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast)
     time_logprobs = time.time() - start
 
     stats = update_stats(loss_mask.device)
@@ -434,7 +442,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 minibatch_loss += loss.detach()
                 add_micro_batch_stats(stats, loss, parts, loss_mask[mb])
             # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
-            all_reduce_gradients(list(model.parameters()))
+            all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
             if not torch.isfinite(all_reduce(minibatch_loss.clone())):
                 stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
                 model.zero_grad(set_to_none=True)
@@ -445,6 +453,15 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
 
 
+def reset_reference(model, ref_model, optimizers, step, args):
+    """DeepSeekMath's iterative variant: the reference moves to the current policy every --ref-reset-every steps."""
+    if args.lora_rank:  # the reference is the base: fold the adapters into it and restart them, Adam's moments too
+        model.merge_lora(seed=args.seed + step)
+        optimizers[0].state.clear()
+    else:
+        ref_model.load_state_dict(model.state_dict())
+
+
 def train(args, run):
     """The step loop: sample -> score -> advantages -> batch -> update -> end of step. `run` holds what the
     plumbing below the banner set up: the model, its reference and optimizers, the tasks, device and run folder."""
@@ -453,7 +470,7 @@ def train(args, run):
         step_start = time.time()
         lr_multiplier = set_learning_rates(run.optimizers, step, args)
         if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
-            ref_model.load_state_dict(model.state_dict())  # DeepSeekMath's iterative variant
+            reset_reference(model, ref_model, run.optimizers, step, args)
 
         # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
         model.eval()
@@ -568,6 +585,8 @@ def resolve_config(argv=None):
         args.num_steps = TASKS[args.task].default_num_steps(args.prompts_per_step)
     if args.reward_weights is None:
         args.reward_weights = {TASKS[args.task].reward_terms[0]: 1.0}
+    if args.lora_alpha is None:
+        args.lora_alpha = 2.0 * args.lora_rank
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -577,7 +596,7 @@ def resolve_config(argv=None):
 def check_config(args):
     """Exit 2 with argparse's usage line and one line naming the first problem, before any work is done."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac)
+    lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
     problems = [
         (args.top_k < 0, "--top-k must be >= 0"),
         (args.prompts_per_step % world_size,
@@ -602,14 +621,15 @@ def check_config(args):
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
         (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac))),
-         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature "
-         "and --min-lr-frac must be finite numbers"),
+                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac,
+                                           args.lora_alpha))),
+         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
+         "--min-lr-frac and --lora-alpha must be finite numbers"),
         (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
          f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
         (min(lrs) <= 0,
-         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac) must be > 0"),
+         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
         (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
         (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
          or (args.n_embd // max(1, args.n_head)) % 2,
@@ -626,6 +646,11 @@ def check_config(args):
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
          "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem "
          "measures nothing"),
+        (args.lora_rank and args.init == "scratch", "--lora-rank adapts a trained model, and --init scratch starts "
+         "from random weights: there is nothing to adapt (train all weights, or start from a checkpoint)"),
+        (args.lora_rank and args.ref_dtype is not None, "--ref-dtype sets the dtype of a reference copy; with "
+         "--lora-rank the reference is the base model itself (adapters off), there is no copy"),
+        (args.lora_rank and not args.lora_alpha > 0, "--lora-alpha must be > 0"),
         (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
          "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
         (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
@@ -671,11 +696,18 @@ def start_run(args, run_dir, rank, writes):
         sys.exit(f"error: {e}")
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
+    if args.lora_rank:  # before the optimizers: the adapters are the only weights that train
+        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     optimizers = make_optimizers(model, args)
     if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
         parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
-    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None  # only when KL is on
-    if ref_model is not None and (args.ref_dtype or dtype) == "bfloat16":
+    if args.kl_coef == 0:
+        ref_model = None  # no KL term, no reference
+    elif args.lora_rank:
+        ref_model = model  # the base model: the policy with its adapters switched off, no second copy
+    else:
+        ref_model = copy.deepcopy(model).requires_grad_(False)
+    if ref_model is not None and not args.lora_rank and (args.ref_dtype or dtype) == "bfloat16":
         # Under bf16 autocast every matmul casts its weight to bf16 anyway: stored so, the reference's matrices take
         # half the memory and give the same numbers. Embeddings, gains and gates stay float32 (they enter no matmul).
         for module in ref_model.modules():
@@ -764,7 +796,9 @@ class Muon(torch.optim.Optimizer):
 
 
 def make_optimizers(model, args):
-    if args.optimizer == "adamw":
+    if args.lora_rank:  # only the adapters train
+        optimizers = [torch.optim.AdamW(model.lora.parameters(), lr=args.lora_lr, weight_decay=args.weight_decay)]
+    elif args.optimizer == "adamw":
         optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
     else:  # nanochat's scheme: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
         scale = (model.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768: scaled as 1/sqrt(width)
@@ -784,7 +818,8 @@ def make_optimizers(model, args):
             for group in opt.param_groups:
                 group["lr"] *= args.init_lr_frac
     homed = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    assert sorted(homed) == sorted(id(p) for p in model.parameters()), "a parameter with no optimizer, or two"
+    trainable = [id(p) for p in model.parameters() if p.requires_grad]
+    assert sorted(homed) == sorted(trainable), "a trainable parameter with no optimizer, or two"
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -956,7 +991,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     if stats["weight_norm_factor"] > WEIGHT_NORM_WARNING:
         run.log(f"warning: step {step + 1}: one update changed the weights' norm by a factor "
                 f"{stats['weight_norm_factor']:.3g} (update/weight ratio {stats['update_ratio']:.3g}); the step sizes "
-                f"are probably far too large (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac)")
+                f"are probably far too large (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, "
+                f"--lora-lr)")
     if not weights_finite or run.bad_steps >= args.max_bad_steps:
         problem = ("the update made weights non-finite (NaN or inf)" if not weights_finite
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
@@ -982,7 +1018,7 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config
     # the resume state first, the model after: a step counts as saved once its model file exists
     atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
                  "master_weights": master_weights(model),
-                 "ref_model": ref_model.state_dict() if ref_model is not None else None},
+                 "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
                 os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
     save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
     # Only now that this step is complete may older states go (optimizer state, master weights and reference are
@@ -1048,15 +1084,20 @@ def resume(args, run):
     state_path = os.path.join(checkpoint_dir, f"state_{step:06d}.pt")
     fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
     try:
-        run.model.load_state_dict(load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0].state_dict())
+        saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
+        run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)  # LoRA: merged, see below
         state = load_tensors(state_path, run.device)
-        run.model.load_state_dict(state["master_weights"], strict=False)  # what the file's bf16 embeddings rounded away
+        missing = master_weight_names(run.model) - set(state["master_weights"])
+        if missing:
+            raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
+        # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
+        run.model.load_state_dict(state["master_weights"], strict=False)
         if len(state["optimizers"]) != len(run.optimizers):
             raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has "
                              f"{len(run.optimizers)}")
         for opt, opt_state in zip(run.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
-        if run.ref_model is not None:
+        if run.ref_model not in (None, run.model):
             run.ref_model.load_state_dict(state["ref_model"])
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: --resume: the checkpoint of step {step} is damaged: {e}; {earlier}")

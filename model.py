@@ -16,6 +16,7 @@ import pickle
 import re
 import tempfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 
 import tiktoken
@@ -222,6 +223,7 @@ class GPT(nn.Module):
             self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in value_embed_layers})
         self.disk_dtypes = {}  # state-dict key -> dtype on disk, where not float32 (filled by the loader)
+        self.lora, self.lora_scale, self.lora_enabled = None, 0.0, False  # adapters: see add_lora
 
     @torch.no_grad()
     def init_weights(self, seed=0):
@@ -338,6 +340,79 @@ class GPT(nn.Module):
         if not with_entropy:
             return torch.cat(out).view_as(targets)
         return tuple(torch.cat(parts).view_as(targets) for parts in zip(*out))
+
+    # LoRA (Hu et al. 2021): every matrix W [out, in] inside the blocks computes W x + (alpha / r) B A x, with
+    # A [r, in] and B [out, r] the only weights that train. Each adapter is a forward hook on its nn.Linear, so the
+    # blocks' code and the model's state-dict keys are nanochat's, with or without adapters.
+    LORA_TARGETS = ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+    def lora_targets(self):
+        """-> [(state-dict name of the matrix, its nn.Linear)] for every adapted matrix, in layer order."""
+        return [(f"transformer.h.{layer}.{target}", block.get_submodule(target))
+                for layer, block in enumerate(self.transformer.h) for target in self.LORA_TARGETS]
+
+    def add_lora(self, rank, alpha, seed=0):
+        """Freeze every weight and give each block matrix an adapter; B = 0, so the adapted model is exactly
+        this one until the first update. The adapters are self.lora (names "<matrix>.A/.B" with "_" for ".")."""
+        self.requires_grad_(False)
+        self.lora, self.lora_scale, self.lora_enabled = nn.ParameterDict(), alpha / rank, True
+        for name, linear in self.lora_targets():
+            key = name.replace(".", "_")
+            self.lora[key + "_A"] = nn.Parameter(linear.weight.new_empty(rank, linear.in_features))
+            self.lora[key + "_B"] = nn.Parameter(linear.weight.new_empty(linear.out_features, rank))
+            linear.register_forward_hook(self._lora_hook(self.lora[key + "_A"], self.lora[key + "_B"]))
+        self.reset_lora(seed)
+        return self
+
+    def _lora_hook(self, A, B):
+        def hook(linear, inputs, output):
+            if self.lora_enabled:  # off: the base model itself (the reference of the KL term)
+                return output + self.lora_scale * F.linear(F.linear(inputs[0], A), B)
+        return hook
+
+    @torch.no_grad()
+    def reset_lora(self, seed):
+        """A as nn.Linear initialises its weights (uniform, +-1/sqrt(in)), from this seed; B = 0."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.lora.items():
+            if name.endswith("_A"):
+                bound = 1 / math.sqrt(p.size(1))
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
+            else:
+                p.zero_()
+
+    def lora_delta(self, name):
+        """(alpha / r) B A [out, in]: what the adapter adds to the matrix of this state-dict name (".weight" cut)."""
+        key = name.replace(".", "_")
+        return self.lora_scale * (self.lora[key + "_B"] @ self.lora[key + "_A"]).detach()
+
+    @torch.no_grad()
+    def merge_lora(self, seed):
+        """Fold the adapters into the base matrices and restart them (new A, B = 0): the model computes the same
+        function (up to rounding), and the base, the reference of the KL term, has moved to it."""
+        for name, linear in self.lora_targets():
+            linear.weight += self.lora_delta(name)
+        self.reset_lora(seed)
+
+    @contextmanager
+    def lora_disabled(self):
+        """The base model, for as long as the with-block runs (a no-op without adapters)."""
+        enabled, self.lora_enabled = self.lora_enabled, False
+        try:
+            yield self
+        finally:
+            self.lora_enabled = enabled
+
+    def merged_state_dict(self):
+        """nanochat's state dict of the model as it computes now: each adapted matrix with its adapter folded in,
+        no adapter keys. Without adapters, state_dict() itself."""
+        state = self.state_dict()
+        if self.lora is None:
+            return state
+        state = {k: v for k, v in state.items() if not k.startswith("lora.")}
+        for name, _ in self.lora_targets():
+            state[name + ".weight"] = state[name + ".weight"] + self.lora_delta(name)
+        return state
 
 
 
@@ -742,11 +817,11 @@ def atomic_save(obj, path):
 
 
 def save_checkpoint(checkpoint_dir, step, model, meta=None):
-    """model_<step>.pt and meta_<step>.json in the generation and on-disk dtypes the model was loaded with, so
-    that nanochat's code of that generation loads them. The embedding tables of a loaded nanochat checkpoint are
-    bf16 on disk: those are rounded here, and master_weights() keeps what rounding loses."""
-    atomic_save({k: v.detach().to("cpu", model.disk_dtypes.get(k, v.dtype)) for k, v in model.state_dict().items()},
-                os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+    """model_<step>.pt and meta_<step>.json in the generation and on-disk dtypes the model was loaded with (LoRA
+    adapters merged), so that nanochat's code of that generation loads them. The embedding tables of a loaded
+    nanochat checkpoint are bf16 on disk: those are rounded here, and master_weights() keeps what rounding loses."""
+    atomic_save({k: v.detach().to("cpu", model.disk_dtypes.get(k, v.dtype))
+                 for k, v in model.merged_state_dict().items()}, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
     model_config = asdict(model.config)
     if not model.generation.short_window:  # a field that nanochat's GPT of this generation does not have
         del model_config["window_pattern"]
@@ -754,9 +829,18 @@ def save_checkpoint(checkpoint_dir, step, model, meta=None):
                 os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
 
 
+def master_weight_names(model):
+    """What an exact resume needs besides the model file: the float32 values of the tensors save_checkpoint rounds,
+    and with LoRA the adapters and the base matrices (the file holds their merged sum)."""
+    names = set(model.disk_dtypes)
+    if model.lora is not None:
+        names |= {name + ".weight" for name, _ in model.lora_targets()} | {"lora." + k for k in model.lora.keys()}
+    return names
+
+
 def master_weights(model):
-    """The float32 values of the tensors that save_checkpoint rounds: what an exact resume needs besides the file."""
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in model.disk_dtypes}
+    names = master_weight_names(model)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in names}
 
 
 # -----------------------------------------------------------------------------

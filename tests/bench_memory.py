@@ -1,0 +1,153 @@
+"""
+Memory and time of one full-GRPO step (KL on, 2 update epochs) for a nanochat-shaped model, three ways: full
+fine-tuning with a float32 reference copy, with a bfloat16 reference copy, and LoRA (the reference is the base
+model with its adapters off). Each measurement is a fresh process (peak memory is per process), the three
+interleaved, --repeats rounds; the table gives the median.
+
+    python tests/bench_memory.py                                # d8 shape, newest and classic generation, CPU
+    python tests/bench_memory.py --device cuda --depth 20       # on a GPU: peak allocated instead of peak RSS
+
+The model is nanochat's shape for --depth (width 64 x depth, head size 128, vocabulary 65,536, every generation's
+extra tables) with random weights, saved as a nanochat checkpoint that grpo.py starts from; the step is grpo.py's
+own (sampling, old / reference log-probs, two epochs of updates) on the sort task under bf16 autocast. On the CPU
+"peak" is the peak resident set of the process during the step (Linux: reset just before it), which includes the
+Python process itself (the "idle" row); on a GPU it is torch's peak allocated memory. Not collected by pytest.
+"""
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import tiktoken
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import grpo  # noqa: E402
+from model import GPT, GPTConfig, Tokenizer, save_checkpoint  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--depth", type=int, default=8)
+parser.add_argument("--generations", nargs="+", default=["smear-backout", "classic"])
+parser.add_argument("--lora-rank", type=int, default=16)
+parser.add_argument("--prompts", type=int, default=2)
+parser.add_argument("--samples", type=int, default=8)
+parser.add_argument("--new-tokens", type=int, default=16)
+parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--child", nargs=2, metavar=("INIT", "SETTING"), help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+SETTINGS = {"full, float32 reference": ["--ref-dtype", "float32"],
+            "full, bf16 reference": ["--ref-dtype", "bfloat16"],
+            f"LoRA r={args.lora_rank}": ["--lora-rank", str(args.lora_rank)]}
+
+
+def checkpoint(folder, generation):
+    """A random nanochat checkpoint of this depth and generation, with a byte-level tokenizer beside it."""
+    width = 64 * args.depth
+    config = GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=args.depth, n_head=width // 128,
+                       n_kv_head=width // 128, n_embd=width, window_pattern="SSSL")
+    model = GPT(config, generation).init_weights(0)
+    with torch.no_grad():  # output projections are zero from scratch: random, so that every matrix does something
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.normal_(0, 0.02)
+    model.disk_dtypes = {k: torch.bfloat16 for k in model.state_dict() if k.startswith(("transformer.wte.",
+                                                                                         "value_embeds."))}
+    checkpoint_dir = os.path.join(folder, generation, "chatsft_checkpoints", f"d{args.depth}")
+    save_checkpoint(checkpoint_dir, 1, model)
+    os.makedirs(os.path.join(folder, generation, "tokenizer"))
+    with open(os.path.join(folder, generation, "tokenizer", "tokenizer.pkl"), "wb") as f:
+        pickle.dump(tokenizer_of_nanochat_size(), f)
+    return checkpoint_dir, sum(p.numel() for p in model.parameters())
+
+
+def tokenizer_of_nanochat_size():
+    """65,536 ids like nanochat's: the 256 bytes, 4-byte tokens no merge can form (prompts encode byte by byte,
+    any sampled id decodes), then the chat special tokens."""
+    byte_level = Tokenizer.byte_level().enc
+    specials = sorted(byte_level._special_tokens, key=byte_level._special_tokens.get)
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update({b"\xfe" + i.to_bytes(3, "big"): i for i in range(256, 65536 - len(specials))})
+    return tiktoken.Encoding(name="bench-65536", pat_str=byte_level._pat_str, mergeable_ranks=ranks,
+                             special_tokens={s: 65536 - len(specials) + i for i, s in enumerate(specials)})
+
+
+def resident_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def child(init, setting):
+    """One process, one step: -> JSON line with the memory before and at the peak of the step, and its seconds."""
+    flags = ["--init", init, "--task", "sort", "--algo", "grpo", "--dtype", "bfloat16", "--device", args.device,
+             "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples), "--max-new-tokens",
+             str(args.new_tokens), "--device-batch-size", str(args.prompts * args.samples), "--num-steps", "1",
+             "--eval-every", "0", "--log-samples", "0", "--runs-dir", tempfile.mkdtemp(), *SETTINGS[setting]]
+    run_args = grpo.resolve_config(flags)
+    with open(os.devnull, "w") as quiet:
+        stdout, sys.stdout = sys.stdout, quiet
+        try:
+            run = grpo.start_run(run_args, os.path.join(run_args.runs_dir, "run"), 0, writes=False)
+            grpo.save_training_state = lambda *a, **k: None  # the step only, not its checkpoint
+            cuda = run.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated() / 2 ** 20
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                before = resident_mb("VmRSS")
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak resident set (VmHWM) to the current one
+            start = time.perf_counter()
+            grpo.train(run_args, run)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else resident_mb("VmHWM")
+        finally:
+            sys.stdout = stdout
+    print(json.dumps(dict(before_mb=before, peak_mb=peak, seconds=seconds)))
+
+
+def main():
+    print(f"one full-GRPO step (KL on, 2 epochs), {args.prompts} prompts x {args.samples} replies x "
+          f"{args.new_tokens} new tokens, bf16 autocast, on {args.device}; median of {args.repeats} interleaved")
+    idle = float("nan")
+    if args.device == "cpu":
+        idle = float(subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import grpo; "
+                                     "print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])"],
+                                    capture_output=True, text=True, check=True).stdout) / 1024
+        print(f"idle process (python, torch and grpo.py imported): {idle:.0f} MB resident")
+    with tempfile.TemporaryDirectory() as folder:
+        for generation in args.generations:
+            init, params = checkpoint(folder, generation)
+            print(f"\n{generation} d{args.depth}: {params / 1e6:.0f}M parameters, {params * 4 / 2 ** 20:.0f} MB "
+                  "in float32")
+            results = {setting: [] for setting in SETTINGS}
+            for _ in range(args.repeats):
+                for setting in SETTINGS:
+                    out = subprocess.run([sys.executable, __file__, "--device", args.device, "--depth", str(args.depth),
+                                          "--lora-rank", str(args.lora_rank), "--prompts", str(args.prompts),
+                                          "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
+                                          "--child", init, setting], capture_output=True, text=True)
+                    if out.returncode:
+                        sys.exit(f"{setting}: {out.stderr.strip().splitlines()[-1]}")
+                    results[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print("| setting | held before the step (MB) | peak during the step (MB) | step (s) |")
+            print("| --- | --- | --- | --- |")
+            for setting, runs in results.items():
+                median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                print(f"| {setting} | {median['before_mb']:.0f} | {median['peak_mb']:.0f} | {median['seconds']:.1f} |")
+
+
+if args.child:
+    child(*args.child)
+else:
+    main()
