@@ -789,6 +789,8 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
+                if p.grad is None:  # as torch's optimizers: no gradient, no step
+                    continue
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = newton_schulz(p.grad.lerp(buf, group["momentum"]))  # Nesterov
@@ -1150,17 +1152,22 @@ def update_stats(device):
 def optimizer_step(model, optimizers, stats, grad_clip):
     """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
     update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
-    Each optimizer's weights are copied just before its own step, when no activations are held: the extra memory is
-    that optimizer's share of the weights, for the length of its step."""
+    The optimizers step one weight at a time (the others' gradients set aside: torch's optimizers and Muon skip a
+    weight without one), so that the copy the measurement needs is of one tensor, never of a whole optimizer's
+    share of the model (for nanochat's d20, gigabytes of embeddings)."""
     # max_norm inf: the norm is still measured, and the gradients are scaled by exactly 1
     stats["grad_norm"] += torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
     for opt in optimizers:
-        params = [p for group in opt.param_groups for p in group["params"]]
-        before = [p.detach().clone() for p in params]
-        opt.step()
-        for p, b in zip(params, before):
-            squares += torch.stack([(p - b).norm(), b.norm(), p.norm()]).double() ** 2
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for p, grad in zip(params, grads):
+            before, p.grad = p.detach().clone(), grad
+            opt.step()
+            p.grad = None
+            squares += torch.stack([(p - before).norm(), before.norm(), p.norm()]).double() ** 2
     update, before, after = squares.sqrt()
     stats["steps"] += 1
     stats["update_ratio"] += update / before

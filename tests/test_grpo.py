@@ -23,14 +23,20 @@ def args_for(*flags):
 
 
 class GradRecorder:
-    """An 'optimizer' that records the gradient it is asked to apply, and leaves the weights alone."""
+    """An 'optimizer' that records the gradients it is asked to apply, and leaves the weights alone. grads[i]: the
+    gradients of every parameter at the i-th optimizer step (optimizer_step hands them over one weight per call)."""
 
     def __init__(self, model):
-        self.model, self.grads = model, []
+        self.model, self.received = model, []
         self.param_groups = [dict(params=list(model.parameters()))]
 
     def step(self):
-        self.grads.append([p.grad.clone() for p in self.model.parameters()])
+        self.received += [p.grad.clone() for p in self.model.parameters() if p.grad is not None]
+
+    @property
+    def grads(self):
+        n = len(self.param_groups[0]["params"])
+        return [self.received[i:i + n] for i in range(0, len(self.received), n)]
 
 
 def sampled_batch(args, seed=0):
