@@ -270,13 +270,13 @@ def rollout_weights(sampler_gap, kind, cap):
 def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, advantages, loss_mask, denominator,
               args):
     """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
-    the gradient; old_logprobs (None: pi_old = pi_theta, detached), ref_logprobs (None: no KL), sampler_logprobs
-    are frozen; advantages [B, 1]. -> (loss, its parts for the statistics)"""
+    the gradient; old_logprobs, ref_logprobs (None: no KL) and sampler_logprobs are frozen; advantages [B, 1].
+    -> (loss, its parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
     logprobs = torch.where(keep, logprobs, 0.0)
-    old = torch.where(keep, old_logprobs, 0.0) if old_logprobs is not None else logprobs.detach()
+    old = torch.where(keep, old_logprobs, 0.0)
     log_ratio = logprobs - old  # [B, T]
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
@@ -408,11 +408,13 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
     loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
     minibatches = split_minibatches(loss_mask.size(0), loss_mask.device, args)
     micro_batches = [mb for minibatch in minibatches for mb in minibatch]
-    # pi_old is needed only if the batch is used for more than one optimizer step: otherwise it is pi_theta
-    # itself, detached. Computed over the same micro-batches as the first update, so that rho == 1 exactly there.
+    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
+    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
+    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now.
     start = time.time()
-    reused = args.ppo_epochs * args.num_minibatches > 1
-    old_logprobs = frozen_logprobs(model, batch, micro_batches, args, autocast) if reused else None
+    after_first_step = [mb for minibatch in minibatches[1:] for mb in minibatch]
+    old_logprobs = (frozen_logprobs(model, batch, after_first_step, args, autocast) if after_first_step
+                    else torch.zeros_like(loss_mask))  # [N, T]
     ref_logprobs = None
     if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
         with ref_model.lora_disabled():
@@ -434,7 +436,9 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 with autocast:
                     logprobs, entropy = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb],
                                                              args.temperature, with_entropy=True)
-                loss, parts = objective(logprobs, entropy, old_logprobs[mb] if reused else None,
+                if not stats["stepped"]:
+                    old_logprobs[mb] = logprobs.detach()
+                loss, parts = objective(logprobs, entropy, old_logprobs[mb],
                                         ref_logprobs[mb] if ref_model is not None else None,
                                         batch["sampler_logprobs"][mb], advantages[mb], loss_mask[mb], denominator,
                                         args)

@@ -117,7 +117,8 @@ def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
     assert stats["clip_frac"] == pytest.approx(((clipped * mask).sum() / mask.sum()).item())
 
 
-def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
+def test_old_logprobs_forward_only_for_minibatches_reached_after_an_optimizer_step(monkeypatch):
+    # A pass before the batch's first optimizer step is pi_old itself: its log-probs are kept, not recomputed.
     calls = []
     original = GPT.token_logprobs
 
@@ -127,7 +128,8 @@ def test_old_logprobs_forward_only_when_the_batch_is_reused(monkeypatch):
 
     monkeypatch.setattr(GPT, "token_logprobs", counting)
     for flags, no_grad_calls in ((["--algo", "reinforce"], 0), (["--algo", "grpo", "--kl-coef", "0", "--ppo-epochs", "1"], 0),
-                                 (["--algo", "grpo", "--kl-coef", "0"], 1), (["--num-minibatches", "2"], 2)):  # one per micro-batch
+                                 (["--algo", "grpo", "--kl-coef", "0"], 0), (["--num-minibatches", "2"], 1),
+                                 (["--num-minibatches", "4"], 3)):  # one per micro-batch after the first step
         args = args_for(*flags, "--device-batch-size", "64")
         model, batch = sampled_batch(args)
         calls.clear()
