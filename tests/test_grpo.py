@@ -137,6 +137,25 @@ def test_old_logprobs_forward_only_for_minibatches_reached_after_an_optimizer_st
         assert calls.count(False) == no_grad_calls, flags
 
 
+def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
+    # Minibatch 1's pi_old comes from its own first pass, minibatch 2's from a forward before the update: both must
+    # equal the policy's log-probs before any step, in every epoch, bit for bit.
+    args = args_for("--algo", "grpo", "--kl-coef", "0", "--num-minibatches", "2", "--device-batch-size", "8")
+    model, batch = sampled_batch(args)
+    minibatches = grpo.split_minibatches(batch["loss_mask"].size(0), "cpu", args)
+    before = grpo.frozen_logprobs(model, batch, [mb for minibatch in minibatches for mb in minibatch], args,
+                                  NO_AUTOCAST)
+    received, objective = [], grpo.objective
+    monkeypatch.setattr(grpo, "objective", lambda logprobs, entropy, old, *a: received.append(old.clone())
+                        or objective(logprobs, entropy, old, *a))
+    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    expected = [before[mb] for _ in range(args.ppo_epochs) for minibatch in minibatches for mb in minibatch]
+    assert len(received) == len(expected) > 4
+    for old, want in zip(received, expected):
+        torch.testing.assert_close(old, want, rtol=0, atol=0)
+    assert stats["clip_frac"] > 0  # the weights did move between the passes
+
+
 def test_an_empty_minibatch_takes_no_optimizer_step():
     # Momentum from an earlier step would move the weights on a zero gradient: an all-masked minibatch must not step.
     args = args_for("--algo", "grpo", "--drop-equal-groups", "--num-minibatches", "2", "--lr", "0.05")
