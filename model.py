@@ -73,6 +73,7 @@ GENERATIONS = {  # oldest first; the names are those of the test fixtures
     "smear-backout": replace(_ve12_qk115, written="2026-03-14 .. today", qk_scale=1.2,
                              short_window=lambda n: math.ceil(n / 4 / 128) * 128, smear_backout=True),
 }
+CHECKPOINT_LOGITS = 2 ** 24  # token_logprobs recomputes the head's logits in the backward from this size (64 MiB)
 SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
 
 
@@ -319,7 +320,9 @@ class GPT(nn.Module):
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
         chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
-        float32 tensor is 2 GiB, and softcap + log_softmax would keep several)."""
+        float32 tensor is 2 GiB, and softcap + log_softmax would keep several). Logits too small to matter
+        (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
+        and both ways give the same numbers."""
         x = self.hidden(idx).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
 
@@ -335,8 +338,8 @@ class GPT(nn.Module):
         out = []
         for i in range(0, x.size(0), chunk_size):
             args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
-            out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
-                       else chunk_logprobs(*args))
+            recompute = torch.is_grad_enabled() and args[0].size(0) * self.lm_head.out_features >= CHECKPOINT_LOGITS
+            out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
         if not with_entropy:
             return torch.cat(out).view_as(targets)
         return tuple(torch.cat(parts).view_as(targets) for parts in zip(*out))

@@ -1,4 +1,4 @@
-"""LoRA (--lora-rank): adapters on the block matrices, the base model as the KL reference, merged saves, exact resume."""
+"""LoRA (--lora-rank): adapters on the block matrices, the base as the KL reference, merged saves, exact resume."""
 import gc
 import json
 import os

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 from model import GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, find_checkpoint, generate, load_checkpoint, save_checkpoint
 from tasks.gsm8k import calculator
 
@@ -251,3 +252,23 @@ def test_top_k_restricts_the_support():
     top3 = set(torch.topk(logits, 3).indices.tolist())
     out = generate(model, TOK, prompt, num_samples=64, max_new_tokens=1, temperature=1.0, top_k=3)
     assert set(out["tokens"][:, 0].tolist()) <= top3
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_head_recomputed_in_the_backward_or_kept_gives_the_same_gradients(with_entropy, monkeypatch):
+    # Large logits are recomputed in the backward (checkpoint), small ones kept: the numbers must not depend on it.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32))
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    idx, targets = torch.randint(0, 300, (3, 20)), torch.randint(0, 300, (3, 20))
+    results = []
+    for threshold in (0, 2 ** 40):  # every chunk recomputed; none
+        monkeypatch.setattr(model_module, "CHECKPOINT_LOGITS", threshold)
+        model.zero_grad()
+        out = model.token_logprobs(idx, targets, with_entropy=with_entropy, chunk_size=16)
+        logprobs, entropy = out if with_entropy else (out, torch.zeros(()))
+        (logprobs.square().mean() + entropy.mean()).backward()
+        results.append([logprobs.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
