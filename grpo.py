@@ -711,12 +711,12 @@ def start_run(args, run_dir, rank, writes):
         ref_model = model  # the base model: the policy with its adapters switched off, no second copy
     else:
         ref_model = copy.deepcopy(model).requires_grad_(False)
-    if ref_model is not None and not args.lora_rank and (args.ref_dtype or dtype) == "bfloat16":
-        # Under bf16 autocast every matmul casts its weight to bf16 anyway: stored so, the reference's matrices take
-        # half the memory and give the same numbers. Embeddings, gains and gates stay float32 (they enter no matmul).
-        for module in ref_model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.to(torch.bfloat16)
+        if (args.ref_dtype or dtype) == "bfloat16":
+            # Under bf16 autocast every matmul casts its weight to bf16 anyway: stored so, the reference's matrices
+            # take half the memory and give the same numbers. Embeddings, gains and gates stay float32 (no matmul).
+            for module in ref_model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.to(torch.bfloat16)
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,

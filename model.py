@@ -356,16 +356,21 @@ class GPT(nn.Module):
 
     def add_lora(self, rank, alpha, seed=0):
         """Freeze every weight and give each block matrix an adapter; B = 0, so the adapted model is exactly
-        this one until the first update. The adapters are self.lora (names "<matrix>.A/.B" with "_" for ".")."""
+        this one until the first update. The adapters are self.lora: "<matrix name, _ for .>_A" and "..._B"."""
         self.requires_grad_(False)
         self.lora, self.lora_scale, self.lora_enabled = nn.ParameterDict(), alpha / rank, True
         for name, linear in self.lora_targets():
             key = name.replace(".", "_")
             self.lora[key + "_A"] = nn.Parameter(linear.weight.new_empty(rank, linear.in_features))
             self.lora[key + "_B"] = nn.Parameter(linear.weight.new_empty(linear.out_features, rank))
-            linear.register_forward_hook(self._lora_hook(self.lora[key + "_A"], self.lora[key + "_B"]))
+            linear.register_forward_hook(self._lora_hook(*self.lora_pair(name)))
         self.reset_lora(seed)
         return self
+
+    def lora_pair(self, name):
+        """-> (A, B) of the matrix of this state-dict name (without ".weight")."""
+        key = name.replace(".", "_")
+        return self.lora[key + "_A"], self.lora[key + "_B"]
 
     def _lora_hook(self, A, B):
         def hook(linear, inputs, output):
@@ -385,9 +390,9 @@ class GPT(nn.Module):
                 p.zero_()
 
     def lora_delta(self, name):
-        """(alpha / r) B A [out, in]: what the adapter adds to the matrix of this state-dict name (".weight" cut)."""
-        key = name.replace(".", "_")
-        return self.lora_scale * (self.lora[key + "_B"] @ self.lora[key + "_A"]).detach()
+        """(alpha / r) B A [out, in]: what the adapter adds to the matrix of this state-dict name."""
+        A, B = self.lora_pair(name)
+        return self.lora_scale * (B @ A).detach()
 
     @torch.no_grad()
     def merge_lora(self, seed):
@@ -416,7 +421,6 @@ class GPT(nn.Module):
         for name, _ in self.lora_targets():
             state[name + ".weight"] = state[name + ".weight"] + self.lora_delta(name)
         return state
-
 
 
 # -----------------------------------------------------------------------------
