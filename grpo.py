@@ -888,8 +888,8 @@ def stop_run(run_dir, problem, remedy):
                  f"unchanged: {then}go on from it with --resume")
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
-    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it again with another --run-name "
-             f"(or delete {run_dir})")
+    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
+             "same command and --resume")
 
 
 def write_run_files(args, run):

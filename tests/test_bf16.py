@@ -2,7 +2,7 @@
 import copy
 import json
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -72,21 +72,29 @@ def test_bf16_logprobs_of_nanochat_fixtures_stay_near_nanochat_float32(name):
 @pytest.mark.parametrize("generation", ["padded-vocab", "smear-backout"])
 def test_bf16_sampler_greedy_equals_a_bf16_forward_without_cache(generation):
     # Cached and uncached bf16 forwards round differently, and bf16 logits of size 8-16 are spaced 0.0625 apart,
-    # so near-ties may break either way: each greedy token must be the uncached argmax or within that noise of it.
+    # so near-ties may break either way: each greedy token must be within that noise of the uncached maximum, and
+    # must be the uncached argmax wherever that leads by more than the noise. What this processor's rounding
+    # decides is kept out: the model never stops (the stop and tool tokens' head rows are zero, logit 0, far below
+    # the top of these spread-out logits), so every reply has its 24 tokens.
     model = random_model(generation, scale=0.5)
-    prompts = random_tokens(40, 75)
+    with torch.no_grad():
+        model.lm_head.weight[[TOK.assistant_end, TOK.bos, TOK.python_start, TOK.python_end]] = 0
+    prompts = random_tokens(40, 75, 33, 60)
     with BF16:
         sampled = generate(model, TOK, prompts, 1, 24, temperature=0)
-    exact, total = 0, 0
+    assert sampled["lengths"].tolist() == [24] * 4 and sampled["truncated"].all()
+    clear_leads = 0
     for row, prompt in enumerate(prompts):
-        reply = sampled["tokens"][row, :sampled["lengths"][row]]
+        reply = sampled["tokens"][row]
         with torch.no_grad(), BF16:
             logits = model(torch.cat([torch.tensor(prompt), reply])[None])[0, len(prompt) - 1:-1]  # [T, V]
         chosen = logits.gather(1, reply[:, None]).squeeze(1)
         assert (logits.max(dim=1).values - chosen).max() < BF16_LOGIT_NOISE
-        exact += (logits.argmax(dim=1) == reply).sum().item()
-        total += len(reply)
-    assert total >= 40 and exact >= 0.9 * total
+        top2 = logits.topk(2, dim=1).values
+        clear = top2[:, 0] - top2[:, 1] > BF16_LOGIT_NOISE
+        assert torch.equal(logits.argmax(dim=1)[clear], reply[clear])
+        clear_leads += clear.sum().item()
+    assert clear_leads >= 48  # half the tokens, so the exact comparison has teeth (measured: 70 and 80 of 96)
 
 
 def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):
@@ -103,13 +111,21 @@ def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):
     assert {v.dtype for v in state["master_weights"].values()} == {torch.float32}
 
 
-def test_gpu_bench_runs_its_code_on_a_tiny_shape():
+def test_gpu_bench_runs_its_code_on_a_tiny_shape(monkeypatch, capsys):
     bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_gpu.py")
-    smoke = subprocess.run([sys.executable, bench, "--smoke"], capture_output=True, text=True, check=True).stdout
+
+    def run(*argv):  # in this process, as `python bench_gpu.py ...` runs it, without a second interpreter's start
+        monkeypatch.setattr(sys, "argv", [bench, *argv])
+        try:
+            runpy.run_path(bench, run_name="__main__")
+        except SystemExit as e:
+            assert not e.code
+        return capsys.readouterr().out
+
+    smoke = run("--smoke")
     assert "decode step" in smoke and "step reinforce" in smoke and "step grpo" in smoke
     if not torch.cuda.is_available():
-        plain = subprocess.run([sys.executable, bench], capture_output=True, text=True, check=True).stdout
-        assert "needs" in plain or "none" in plain
+        assert "nothing to measure" in run()
 
 
 @pytest.mark.parametrize("generation", ["classic", "smear-backout"])

@@ -67,20 +67,25 @@ def script(tmp_path, name, *extra):
     return [sys.executable, os.path.join(ROOT, "grpo.py"), *flags(tmp_path, "--num-steps", "100000", *extra, name=name)]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_scheduler_signals_stop_with_the_one_line_message(tmp_path, sig):
-    log = open(tmp_path / "err.txt", "w")
-    process = subprocess.Popen(script(tmp_path, "sig"), stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+def test_scheduler_signals_stop_with_the_one_line_message(tmp_path):
+    # SIGTERM and SIGHUP, each to its own run; the two run side by side, so the test waits for one start-up only
+    signals = [signal.SIGTERM, signal.SIGHUP]
+    logs = [tmp_path / f"{sig.name}.txt" for sig in signals]
+    processes = [subprocess.Popen(script(tmp_path, sig.name), stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                                  cwd=ROOT) for sig, log in zip(signals, logs)]
     try:
-        wait_for(lambda: len(train_lines(tmp_path / "runs" / "sig")) >= 2, 120, "two steps")
-        process.send_signal(sig)
-        assert process.wait(timeout=60) == 1
+        for sig, process in zip(signals, processes):
+            wait_for(lambda: len(train_lines(tmp_path / "runs" / sig.name)) >= 2, 120, "two steps")
+            process.send_signal(sig)
+        assert [process.wait(timeout=60) for process in processes] == [1, 1]
     finally:
-        process.kill()
-    err = open(tmp_path / "err.txt").read().strip()
-    assert "Traceback" not in err
-    assert err.splitlines()[-1].startswith(f"error: stopped by {sig.name}. The run's newest checkpoint, step "), err
-    assert err.splitlines()[-1].endswith("go on from it with --resume")
+        for process in processes:
+            process.kill()
+    for sig, log in zip(signals, logs):
+        err = log.read_text().strip()
+        assert "Traceback" not in err
+        assert err.splitlines()[-1].startswith(f"error: stopped by {sig.name}. The run's newest checkpoint, step "), err
+        assert err.splitlines()[-1].endswith("go on from it with --resume")
 
 
 def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):

@@ -132,7 +132,10 @@ def test_lora_trains_only_the_block_matrices_and_saves_its_generation(tmp_path, 
     assert load_checkpoint(str(tmp_path / "lora" / "chatrl_checkpoints" / "d4"))[0].generation_name == "smear-backout"
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
+# The oldest generation, the first with value embeddings (bf16 tables on disk beside the adapters) and the newest:
+# what LoRA adds to a resume is generation-independent (adapters on the block matrices, which every generation
+# has), and test_resume_is_exact_for_every_generation covers each generation's own state.
+@pytest.mark.parametrize("generation", ["classic", "value-embeds", "smear-backout"])
 def test_a_resumed_lora_run_equals_an_uninterrupted_one(generation, tmp_path, differing_rewards,
                                                         run_killed_after_first_save):
     init = nanochat_dir(tmp_path, generation)

@@ -91,7 +91,7 @@ def test_grading_is_fast():
     replies = [f"I think {i} + {i} = {2 * i}, so\n#### {2 * i}" for i in range(10_000)]
     start = time.perf_counter()
     assert sum(is_correct(r, "#### 10") for r in replies) == 1
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 2.0  # 0.02 s measured: a bound for a machine 100x slower or busier
 
 
 # ---------------------------------------------------------------------------- data sources and the download
@@ -193,7 +193,7 @@ def test_lenient_grader_is_linear_with_the_same_verdicts():
         assert (before and before.group(1)) == (now and now.group(1)), text
     start = time.time()
     assert not is_correct("#### " + "\n" * 32000 + "x", "#### 18", lenient=True)
-    assert time.time() - start < 0.5  # the quadratic pattern took about 27 s
+    assert time.time() - start < 2.0  # 0.004 s measured; the quadratic pattern took about 27 s
 
 
 def test_calculator_results_and_hostile_inputs():
