@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
@@ -532,6 +533,8 @@ def main(argv=None):
             raise
         stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
                  "free disk space or make the folder writable")
+    except torch.OutOfMemoryError as e:
+        stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
         stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
     except RuntimeError as e:
@@ -542,6 +545,34 @@ def main(argv=None):
         stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within --dist-timeout "
                  f"{args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
                  "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows longer)")
+
+
+def out_of_memory(args, world_size, trace):
+    """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of the step's functions
+    on its traceback), the sizes that drove that phase's memory, and the flags that lower them."""
+    calls = [frame.name for frame in traceback.extract_tb(trace)]
+    phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
+    rows = args.prompts_per_step // world_size * args.num_samples
+    if phase == "sample_groups":
+        return (f"out of GPU memory while sampling: {rows} replies of up to {args.max_new_tokens} new tokens in one "
+                f"batch (--prompts-per-step {args.prompts_per_step} / {world_size} ranks x --num-samples "
+                f"{args.num_samples}), their KV cache and logits", "lower --prompts-per-step, --num-samples or "
+                "--max-new-tokens (or use more GPUs)")
+    if phase in ("frozen_logprobs", "policy_update"):
+        what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
+        return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
+                f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
+                "result is the same, in more passes) or --max-new-tokens")
+    if phase == "evaluate":
+        return (f"out of GPU memory in the eval: {EVAL_BATCH} problems a batch, x {max(1, args.pass_k)} replies of up "
+                f"to {args.eval_max_new_tokens} tokens", "lower --pass-k or --eval-max-new-tokens")
+    return ("out of GPU memory outside sampling, log-probs, update and eval: the model, its reference copy and "
+            "optimizer state take too much", "train fewer weights (--lora-rank), keep the reference in bf16 "
+            "(--ref-dtype bfloat16) or use a GPU with more memory")
+
+
+# The functions of a step whose memory an out-of-memory error is reported against (see out_of_memory)
+OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 
 
 @contextmanager
@@ -1266,6 +1297,9 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+EVAL_BATCH = 32  # problems sampled in one generate call
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
     """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
@@ -1275,7 +1309,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
-    replies, start, chunk = [], time.time(), 32
+    replies, start, chunk = [], time.time(), EVAL_BATCH
     for i in range(0, len(mine), chunk):
         conversations = [task[j] for j in mine[i:i + chunk]]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]

@@ -523,3 +523,36 @@ def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):
     with pytest.raises(SystemExit):
         grpo.resolve_config(["--demo", "--lr", "fast"])  # exits inside the parse, with the demo's defaults set
     assert grpo.resolve_config([]).task == "gsm8k"
+
+
+@pytest.mark.parametrize("phase,flag", [("sampling", "--num-samples"), ("log-probs", "--device-batch-size"),
+                                        ("update", "--device-batch-size"), ("eval", "--eval-max-new-tokens")])
+def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(phase, flag, tmp_path, monkeypatch):
+    # torch.OutOfMemoryError raised where a GPU would raise it in each phase, in step 2, after step 1 was saved
+    armed = []
+    save, generate, token_logprobs = grpo.save_training_state, grpo.generate, grpo.GPT.token_logprobs
+
+    def save_then_arm(*a, **k):
+        save(*a, **k)
+        armed.append(True)
+
+    def out_of_memory_in(this_phase, call):
+        def call_or_raise(*a, **k):
+            if armed and phase == this_phase(*a, **k):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return call(*a, **k)
+        return call_or_raise
+
+    monkeypatch.setattr(grpo, "save_training_state", save_then_arm)
+    monkeypatch.setattr(grpo, "generate", out_of_memory_in(  # greedy: the eval's; sampled: the step's
+        lambda *a, temperature=1.0, **k: "eval" if temperature == 0 else "sampling", generate))
+    monkeypatch.setattr(grpo.GPT, "token_logprobs", out_of_memory_in(  # no gradient: pi_ref's or pi_old's
+        lambda *a, **k: "update" if torch.is_grad_enabled() else "log-probs", token_logprobs))
+    argv = flags(tmp_path, "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4")
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(argv)
+    message = str(stop.value.code)
+    assert message == message.strip() and "\n" not in message
+    assert message.startswith(f"error: out of GPU memory {dict(sampling='while sampling', eval='in the eval').get(phase, '')}")
+    assert flag in message and "step 1 in " in message and message.endswith("go on from it with --resume")
+    assert {"log-probs": "old and reference log-probs", "update": "in the update"}.get(phase, "") in message
