@@ -9,6 +9,7 @@ Read from the top:
 Below the banner: which generation a checkpoint is, nanochat's on-disk layout (find / load / save, atomic writes)
 and the safe reader of tokenizer.pkl.
 """
+import functools
 import json
 import math
 import os
@@ -16,13 +17,14 @@ import pickle
 import re
 import tempfile
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 
 import tiktoken
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
@@ -73,6 +75,7 @@ GENERATIONS = {  # oldest first; the names are those of the test fixtures
     "smear-backout": replace(_ve12_qk115, written="2026-03-14 .. today", qk_scale=1.2,
                              short_window=lambda n: math.ceil(n / 4 / 128) * 128, smear_backout=True),
 }
+MASKED_CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CHECKPOINT_LOGITS = 2 ** 24  # token_logprobs recomputes the head's logits in the backward from this size (64 MiB)
 SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
 
@@ -106,20 +109,33 @@ class KVCache:
 
     Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
     so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
-    embedding [B, C], which the smear of the next token reads (generations with smear only)."""
+    embedding [B, C], which the smear of the next token reads (generations with smear only).
+
+    Static (after make_static): a step attends over all max_len columns, those not written yet masked out; `pos`
+    is a tensor on the device and every write is in place. A decode step then has the same shapes, the same
+    memory and the same kernel arguments every time, so it can be captured once as a CUDA graph and replayed."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
         self.k = self.v = None  # allocated on first write, in the dtype the model computes in
         self.previous = None
         self.pos = 0
+        self.static = False
+
+    def make_static(self):
+        self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
 
     def update(self, layer, k, v):
-        """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far."""
+        """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far (static: all
+        max_len columns)."""
         if self.k is None:
             B, H, _, hd = k.shape
             self.k = k.new_zeros(self.n_layer, B, H, self.max_len, hd)
             self.v = torch.zeros_like(self.k)
+        if self.static:  # one token per row, written at the column pos points to
+            self.k[layer].index_copy_(2, self.pos.view(1), k)
+            self.v[layer].index_copy_(2, self.pos.view(1), v)
+            return self.k[layer], self.v[layer]
         end = self.pos + k.size(2)
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
@@ -160,8 +176,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        # On a GPU, SDPA's first choice for a masked call may be cuDNN attention, which builds a plan for every new
+        # shape (~14 ms of CPU each); efficient attention takes any shape as it comes (math where it cannot, GQA).
+        backends = sdpa_kernel(MASKED_CUDA_ATTENTION) if attn_mask is not None and q.is_cuda else nullcontext()
+        with backends:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                               enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -225,6 +245,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in value_embed_layers})
         self.disk_dtypes = {}  # state-dict key -> dtype on disk, where not float32 (filled by the loader)
         self.lora, self.lora_scale, self.lora_enabled = None, 0.0, False  # adapters: see add_lora
+        self.compile_hidden = False  # token_logprobs runs a compiled hidden() (see compiled_hidden, below the banner)
 
     @torch.no_grad()
     def init_weights(self, seed=0):
@@ -257,12 +278,13 @@ class GPT(nn.Module):
             allowed = key[None, :] <= query[:, None]  # [T, S]
         else:  # continue left-padded rows from the cache's position
             query = cache.pos + torch.arange(T, device=device)  # [T] column of each new token
-            key = torch.arange(cache.pos + T, device=device)  # [S]
+            key = torch.arange(cache.max_len if cache.static else cache.pos + T, device=device)  # [S]
             positions = (query[None] - cache.pad[:, None]).clamp(min=0)  # [B, T]: padding does not move positions
             real = key[None, None, :] >= cache.pad[:, None, None]  # [B, 1, S]
             # A padding query may see itself, so no softmax row is empty (an all -inf row would give NaN).
             allowed = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
-        last = T - 1 + (cache.pos if cache is not None else 0)  # the last query's column, a Python int: no sync
+        # the last query's column, a Python int (no sync); static: the last column any step can reach
+        last = T - 1 if cache is None else cache.max_len - 1 if cache.static else cache.pos + T - 1
         masks = {}
         for window in set(self.windows):
             if window is not None and window < last:  # query q sees keys q - window .. q: window + 1 of them
@@ -287,7 +309,9 @@ class GPT(nn.Module):
             # real token of a left-padded row gets nothing. The cache carries each row's last x to the next call.
             before = cache.previous if cache is not None and cache.previous is not None else torch.zeros_like(x[:, 0])
             previous = torch.cat([before[:, None], x[:, :-1]], dim=1)  # [B, T, C]
-            if cache is not None:
+            if cache is not None and cache.static:
+                cache.previous.copy_(x[:, -1])  # in place: a captured step reads and writes the same memory
+            elif cache is not None:
                 cache.previous = x[:, -1]
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
             x = x + gate * previous * (positions >= 1)[..., None]
@@ -303,7 +327,7 @@ class GPT(nn.Module):
         if kept is not None:  # backout: take part of the mid-stack residual back out before the head
             x = x - self.backout_lambda * kept
         if cache is not None:
-            cache.pos += T
+            cache.pos += T  # in place when static
         return norm(x)
 
     def logits(self, x, softcap=True):
@@ -323,7 +347,7 @@ class GPT(nn.Module):
         float32 tensor is 2 GiB, and softcap + log_softmax would keep several). Logits too small to matter
         (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
         and both ways give the same numbers."""
-        x = self.hidden(idx).flatten(0, 1)  # [B*T, C]
+        x = (compiled_hidden() if self.compile_hidden else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
 
         def chunk_logprobs(x_chunk, target_chunk):
@@ -450,10 +474,15 @@ def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-             tool=None):
+             tool=None, decode="auto"):
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
+    `decode`: how a decode step runs. "dynamic": attention over the columns written so far, and finished rows
+    leave the batch (least work: the CPU's default). "static": the same shapes every step (KVCache.make_static),
+    finished rows stay, masked. "graph": static, captured once as a CUDA graph and replayed, one launch a step
+    (CUDA's default: a step of small kernels is bound by launches, not by the GPU). The same tokens either way,
+    up to rounding (the attention sums over a different number of columns).
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -478,10 +507,15 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
     cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
-    logits = model(idx, cache, softcap=False)[:, -1]  # [P, V]
+    logits = model.logits(model.hidden(idx, cache)[:, -1], softcap=False)  # [P, V]: the head at the last column only
     # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
     shared = torch.arange(P, device=device).repeat_interleave(G)
     cache.select(shared)
+    if decode == "auto":
+        decode = "graph" if device.type == "cuda" else "dynamic"
+    if decode != "dynamic":
+        cache.make_static()
+    decode_step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
     sampled, sampled_logprob = sample_tokens(logits[shared], temperature, top_k, noise[:, 0],
                                              model.generation.softcap)  # [N], [N]
 
@@ -524,13 +558,11 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
                         forced = F.pad(forced, (0, len(queue) - forced.size(1)))
                     forced[i, :len(queue)] = torch.tensor(queue, device=device)
                     num_forced[i] = len(queue)
-        if num_running <= 0.75 * done.numel():  # finished rows leave the batch rather than keep it busy
+        if decode == "dynamic" and num_running <= 0.75 * done.numel():  # finished rows leave the batch
             keep = (~done).nonzero().flatten()
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
-        logits = model(token[:, None], cache, softcap=False)[:, -1]
-        sampled, sampled_logprob = sample_tokens(logits, temperature, top_k, noise[rows, t + 1],
-                                                 model.generation.softcap)
+        sampled, sampled_logprob = decode_step(token, noise[rows, t + 1])
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                                         truncated=truncated).items()}
 
@@ -621,9 +653,73 @@ class Tokenizer:
 
 
 # =============================================================================
-# nanochat's files: which generation a checkpoint is, checkpoint I/O in nanochat's layout, atomic writes, and
-# the safe reader of tokenizer.pkl. Nothing here is needed to follow the model or the sampler above.
+# Below: the decode step as one CUDA graph, and nanochat's files (which generation a checkpoint is, checkpoint I/O
+# in nanochat's layout, atomic writes, the safe reader of tokenizer.pkl). Nothing here is needed to follow the
+# model or the sampler above.
 # =============================================================================
+
+# -----------------------------------------------------------------------------
+# The training forward compiled, and the decode step eager or captured as a CUDA graph
+
+@functools.cache
+def compiled_hidden():
+    """GPT.hidden through torch.compile, once per process (each model it sees gets its own guards). Shapes are
+    dynamic: every step's batch has its own longest reply, and a compile per length would cost more than it saves.
+    Inductor keeps a fused kernel's intermediates in float32 unless told to round them where the code casts: without
+    that, the rotary tables of nanochat's older generations (rounded to bf16) and every bf16 value under autocast
+    would be computed more precisely than nanochat does (measured on the CPU: gradients 3.5e-3 apart, 1e-6 with)."""
+    return torch.compile(GPT.hidden, dynamic=True, options={"emulate_precision_casts": True})
+
+
+GRAPH_CAPTURE = {"failed": False}  # a capture that failed once is not tried again in this process
+
+
+def decoder(model, cache, temperature, top_k, graph):
+    """-> step(token [N], noise [N]) -> (sampled [N], log-probs [N]): one token through the model with the cache,
+    then sampled. graph (CUDA, static cache): the step is captured once and each call replays it, so its ~40
+    kernels a layer cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If the
+    capture fails, the steps run eagerly, with one note."""
+    def step(token, noise):
+        logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
+        return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
+
+    if not graph or cache.pad.device.type != "cuda" or GRAPH_CAPTURE["failed"]:
+        return step
+    N, device = cache.pad.size(0), cache.pad.device
+    token_in = torch.zeros(N, dtype=torch.long, device=device)
+    noise_in = torch.zeros(N, device=device)
+    # The warm-up step below writes into the cache (a column that the first real step writes again) and moves
+    # pos and the smear's previous embedding: those two are put back.
+    pos, previous = cache.pos.clone(), cache.previous.clone() if cache.previous is not None else None
+    try:
+        side = torch.cuda.Stream(device)  # warm up off the default stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step(token_in, noise_in)  # the casts autocast caches, kernel choices and workspaces happen here
+        torch.cuda.current_stream(device).wait_stream(side)
+        cache.pos.copy_(pos)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            outputs = step(token_in, noise_in)  # recorded, not run
+    except RuntimeError as e:
+        GRAPH_CAPTURE["failed"] = True
+        print(f"note: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:200]}); "
+              "sampling runs eagerly")
+        cache.pos.copy_(pos)
+        if previous is not None:
+            cache.previous.copy_(previous)
+        return step
+    cache.pos.copy_(pos)  # capturing ran nothing; only the warm-up moved these
+    if previous is not None:
+        cache.previous.copy_(previous)
+
+    def replay(token, noise):
+        token_in.copy_(token)
+        noise_in.copy_(noise)
+        captured.replay()
+        return outputs
+    return replay
+
 
 # -----------------------------------------------------------------------------
 # Checkpoints, in nanochat's layout: <base>/<source>_checkpoints/<tag>/{model,meta}_<step:06d>.{pt,json}

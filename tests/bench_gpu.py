@@ -6,12 +6,14 @@ GPU benchmark: rollouts and training steps of nanochat-shaped models, next to th
     python tests/bench_gpu.py --smoke                  # the same code on a tiny shape, any device (a quick check)
 
 For each shape (random weights, nanochat's newest GPT generation by default):
-(a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call and one call per
-    prompt; the decode step's time next to its memory-bandwidth bound (bytes of bf16 weights + KV cache read
-    per step / the bandwidth of a device-to-device copy measured here);
-(b) one training step of `reinforce` and of `grpo`: its split (sample / old + reference log-probs / update),
-    the update's model FLOP utilisation (6 x matmul parameters + attention per token, recomputation not
-    counted) and peak memory.
+(a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call per decode mode
+    (graph: the decode step captured as a CUDA graph, the default; static: the same shapes, eager; dynamic:
+    finished rows leave, the CPU's default), and one call per prompt; the prefill's time; the decode step's
+    time next to its memory-bandwidth bound (bytes of bf16 weights + KV cache read per step / the bandwidth of a
+    device-to-device copy measured here);
+(b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile): its split (sample / old +
+    reference log-probs / update), the update's model FLOP utilisation (6 x matmul parameters + attention per
+    token, recomputation not counted) and peak memory. The compiled update is timed after one that compiles.
 The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random.
 Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
 """
@@ -42,7 +44,7 @@ parser.add_argument("--prompts", type=int, default=16)
 parser.add_argument("--samples", type=int, default=16)
 parser.add_argument("--prompt-len", type=int, default=128)
 parser.add_argument("--new-tokens", type=int, default=256)
-parser.add_argument("--device-batch-size", type=int, default=32, help="rows per forward/backward in the update")
+parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward/backward in the update (grpo.py's default)")
 parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known GPUs by name)")
 parser.add_argument("--smoke", action="store_true", help="tiny shape and batch on any device: checks that the script runs")
 parser.add_argument("--device", default="cuda")
@@ -94,9 +96,10 @@ def random_model(shape):
     return model
 
 
-def rollouts(model, prompts):
+def rollouts(model, prompts, decode="auto", new_tokens=None):
     with autocast:
-        return generate(model, tokenizer, prompts, args.samples, args.new_tokens, temperature=1.0, top_k=50, seed=0)
+        return generate(model, tokenizer, prompts, args.samples, new_tokens or args.new_tokens, temperature=1.0,
+                        top_k=50, seed=0, decode=decode)
 
 
 def decode_bound(model, rows, bandwidth):
@@ -118,11 +121,12 @@ def update_flops(model, batch, passes):
     return passes * N * T * (6 * matmul_params + attention)
 
 
-def training_step(model, prompts, algo):
+def training_step(model, prompts, algo, compiled):
     flags = ["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples),
              "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(args.device_batch_size)]
     step_args = grpo.resolve_config(flags)
     policy = copy.deepcopy(model)
+    policy.compile_hidden = compiled  # as grpo.py's --compile, before the reference copy
     optimizers = grpo.make_optimizers(policy, step_args)
     ref_model = copy.deepcopy(policy).requires_grad_(False) if step_args.kl_coef > 0 else None
     if cuda:
@@ -130,12 +134,17 @@ def training_step(model, prompts, algo):
     samples, time_sample = timed(lambda: rollouts(policy, prompts))
     rewards = torch.rand(args.prompts, args.samples, generator=torch.Generator().manual_seed(0))
     batch = {k: v.to(device) for k, v in grpo.make_batch(prompts, samples, rewards, step_args).items()}
-    (stats, time_logprobs), seconds = timed(lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model))
+    update = lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model)  # noqa: E731
+    if compiled:
+        _, compile_seconds = timed(update)
+        print(f"  (compiling {algo}'s forwards and backward: {compile_seconds:.0f} s)")
+    (stats, time_logprobs), seconds = timed(update)
     time_update = seconds - time_logprobs
     passes = step_args.ppo_epochs * step_args.num_minibatches
     mfu = update_flops(policy, batch, passes) / time_update / (peak_tflops * 1e12) if peak_tflops else None
     peak_memory = f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB" if cuda else "-"
-    print(f"  step {algo:9s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
+    label = f"{algo} {'compiled' if compiled else 'eager'}"
+    print(f"  step {label:18s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
           f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, batch {tuple(batch['input_ids'].shape)}) | "
           f"update MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory {peak_memory}")
 
@@ -151,23 +160,26 @@ for shape in args.shapes.split(","):
     model = random_model(shape).eval()
     params = sum(p.numel() for p in model.parameters())
     print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
-    rollouts(model, prompts[:2])  # warm-up: kernels, allocator
     new_tokens = args.prompts * args.samples * args.new_tokens
-    _, batched_seconds = timed(lambda: rollouts(model, prompts))
+    seconds = {}
+    for decode in ("graph", "static", "dynamic"):
+        rollouts(model, prompts[:2], decode)  # warm-up: kernels, allocator
+        _, seconds[decode] = timed(lambda: rollouts(model, prompts, decode))
     _, per_prompt_seconds = timed(lambda: [rollouts(model, [p]) for p in prompts])
     # the decode step: a whole call minus a call that only prefills and draws the first token
-    saved, args.new_tokens = args.new_tokens, 1
-    _, prefill_seconds = timed(lambda: rollouts(model, prompts))
-    args.new_tokens = saved
-    step_seconds = (batched_seconds - prefill_seconds) / (args.new_tokens - 1)
+    _, prefill_seconds = timed(lambda: rollouts(model, prompts, new_tokens=1))
+    step_seconds = (seconds["graph"] - prefill_seconds) / (args.new_tokens - 1)
     bound, weight_bytes, kv_bytes = decode_bound(model, args.prompts * args.samples, bandwidth)
-    print(f"  rollouts: one call {new_tokens / batched_seconds:9.0f} tokens/s ({batched_seconds:.2f} s); "
-          f"one prompt per call {new_tokens / per_prompt_seconds:9.0f} tokens/s ({per_prompt_seconds:.2f} s)")
-    print(f"  decode step ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
+    print("  rollouts, one call: " + "; ".join(f"{decode} {new_tokens / s:9.0f} tokens/s ({s:.2f} s)"
+                                              for decode, s in seconds.items()))
+    print(f"  rollouts, one prompt per call (default decode): {new_tokens / per_prompt_seconds:9.0f} tokens/s "
+          f"({per_prompt_seconds:.2f} s); prefill of {args.prompts} prompts + first tokens: {prefill_seconds:.3f} s")
+    print(f"  decode step, graph ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
           f"{1e3 * bound:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB a step) "
           f"= {bound / step_seconds:.0%} of the bound")
-    for algo in ("reinforce", "grpo"):
-        training_step(model, prompts, algo)
+    for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
+        for algo in ("reinforce", "grpo"):
+            training_step(model, prompts, algo, compiled)
     del model
     if cuda:
         torch.cuda.empty_cache()

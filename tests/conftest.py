@@ -35,3 +35,18 @@ def run_killed_after_first_save(monkeypatch):
             with pytest.raises(Killed):
                 grpo.main(argv)
     return run
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (torch.compile on the CPU)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--slow"):
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="slow: run with --slow"))

@@ -11,6 +11,7 @@ import torch
 import grpo
 from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, generate, load_checkpoint, master_weights,
                    save_checkpoint)
+from tasks.gsm8k import calculator
 from tasks.sort import Sort
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,28 @@ def test_batched_greedy_equals_one_at_a_time_and_no_cache(generation):
         assert single["tokens"][0, :n].tolist() == reference[:n]
         for row in (2 * i, 2 * i + 1):
             assert batched["tokens"][row, :n].tolist() == reference[:n]
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_static_decoding_samples_what_dynamic_decoding_samples(generation):
+    # Static shapes (every step attends over the whole cache, finished rows stay in the batch) against the
+    # dynamic sampler, for sampled and greedy replies that end at different times, some cut off, from prompts
+    # longer than the short windows. Tokens, masks and lengths are equal; the log-probs differ by rounding only,
+    # as the attention sums over more (masked) columns.
+    model = random_model(generation)
+    prompts = random_tokens(5, 40, 77)
+    with torch.no_grad():  # the stop token wins where the model's favourite token would: replies end at different steps
+        favourite = model(torch.tensor([sum(prompts, [])]))[0].argmax(dim=-1).mode().values
+        model.lm_head.weight[TOK.assistant_end] = 1.02 * model.lm_head.weight[favourite]
+    lengths = []
+    for options in (dict(temperature=1.0, top_k=50, seed=3, tool=calculator), dict(temperature=0)):
+        dynamic, static = (generate(model, TOK, prompts, 4, 30, decode=decode, **options)
+                           for decode in ("dynamic", "static"))
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            assert torch.equal(dynamic[key], static[key]), key
+        torch.testing.assert_close(dynamic["logprobs"], static["logprobs"], rtol=0, atol=1e-4)
+        lengths += dynamic["lengths"].tolist()
+    assert len(set(lengths)) > 2  # rows finished at different steps
 
 
 @pytest.mark.parametrize("generation", WINDOWED)
@@ -288,8 +311,9 @@ def test_fixture_matches_nanochat_logits_logprobs_and_greedy(name):
         logprobs = model.token_logprobs(ids[:, :-1], ids[:, 1:])[0, len(reference["prompt_logprob"]) - 1:]
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-4)
     torch.testing.assert_close(logprobs, reference["logprobs"], rtol=0, atol=1e-4)
-    greedy = generate(model, tokenizer, [reference["prompt_greedy"]], 1, 40, temperature=0)
-    assert greedy["tokens"][0].tolist() == reference["greedy_nocache"]
+    for decode in ("dynamic", "static"):  # static: the shapes a CUDA graph replays, here run eagerly
+        greedy = generate(model, tokenizer, [reference["prompt_greedy"]], 1, 40, temperature=0, decode=decode)
+        assert greedy["tokens"][0].tolist() == reference["greedy_nocache"]
     # prompts of different lengths in one batch give what each gives alone
     prompts = [reference["prompt_greedy"], reference["prompt_logits"][:170], reference["prompt_logprob"]]
     batched = generate(model, tokenizer, prompts, 2, 20, temperature=0)

@@ -194,14 +194,21 @@ class ScriptedModel(torch.nn.Module):
         for a, b in transitions.items():
             self.table[a] = b
 
-    def forward(self, idx, cache, softcap=True):
+    def hidden(self, idx, cache):  # the "hidden state" is already the logits: the head is the identity
         B, T = idx.shape
         cache.update(0, torch.zeros(B, 1, T, 2), torch.zeros(B, 1, T, 2))
         cache.pos += T
         return F.one_hot(self.table[idx], self.config.vocab_size).float() * 100
 
+    def logits(self, x, softcap=True):
+        return x
 
-def test_calculator_forces_masked_output_and_stop_token_is_kept():
+    def forward(self, idx, cache, softcap=True):
+        return self.logits(self.hidden(idx, cache))
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_calculator_forces_masked_output_and_stop_token_is_kept(decode):
     t = TOK
     chain = [t.assistant_start, t.python_start, ord("2"), ord("*"), ord("("), ord("3"), ord(")"), t.python_end]
     transitions = dict(zip(chain, chain[1:]))
@@ -210,7 +217,7 @@ def test_calculator_forces_masked_output_and_stop_token_is_kept():
     transitions[ord("z")] = ord("z")  # the second prompt never stops
     model = ScriptedModel(transitions)
     out = generate(model, t, [[t.bos, t.assistant_start], [t.bos, ord("q"), ord("z")]], num_samples=2,
-                   max_new_tokens=14, temperature=1.0, top_k=5, tool=calculator)
+                   max_new_tokens=14, temperature=1.0, top_k=5, tool=calculator, decode=decode)
     expected = chain[1:] + [t.output_start, ord("6"), t.output_end, ord("a"), t.assistant_end]
     for row in (0, 1):
         n = out["lengths"][row].item()
