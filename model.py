@@ -513,6 +513,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     cache.select(shared)
     if decode == "auto":
         decode = "graph" if device.type == "cuda" else "dynamic"
+    if decode not in ("dynamic", "static", "graph"):
+        raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     if decode != "dynamic":
         cache.make_static()
     decode_step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
@@ -676,49 +678,54 @@ GRAPH_CAPTURE = {"failed": False}  # a capture that failed once is not tried aga
 
 def decoder(model, cache, temperature, top_k, graph):
     """-> step(token [N], noise [N]) -> (sampled [N], log-probs [N]): one token through the model with the cache,
-    then sampled. graph (CUDA, static cache): the step is captured once and each call replays it, so its ~40
-    kernels a layer cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If the
-    capture fails, the steps run eagerly, with one note."""
+    then sampled. graph (CUDA, static cache): the first call captures the step and every call replays it, so its
+    ~40 kernels a layer cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If
+    the capture fails, the steps run eagerly, with one note."""
     def step(token, noise):
         logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
         return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
 
     if not graph or cache.pad.device.type != "cuda" or GRAPH_CAPTURE["failed"]:
         return step
-    N, device = cache.pad.size(0), cache.pad.device
-    token_in = torch.zeros(N, dtype=torch.long, device=device)
-    noise_in = torch.zeros(N, device=device)
-    # The warm-up step below writes into the cache (a column that the first real step writes again) and moves
-    # pos and the smear's previous embedding: those two are put back.
+    captured = {}
+
+    def replay(token, noise):
+        if not captured:
+            captured.update(capture(step, cache, token, noise))
+        if captured["graph"] is None:
+            return step(token, noise)
+        captured["token"].copy_(token)
+        captured["noise"].copy_(noise)
+        captured["graph"].replay()
+        return captured["outputs"]
+    return replay
+
+
+def capture(step, cache, token, noise):
+    """-> dict(graph, its input tensors token and noise, its outputs); graph None if the capture failed."""
+    static = dict(token=token.clone(), noise=noise.clone())
+    # The warm-up step writes into the cache (the column that the first replay writes again) and moves pos and the
+    # smear's previous embedding: those two are put back.
     pos, previous = cache.pos.clone(), cache.previous.clone() if cache.previous is not None else None
+    device = token.device
     try:
         side = torch.cuda.Stream(device)  # warm up off the default stream, as capture requires
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            step(token_in, noise_in)  # the casts autocast caches, kernel choices and workspaces happen here
+            step(static["token"], static["noise"])  # autocast's cached casts, kernel choices, workspaces
         torch.cuda.current_stream(device).wait_stream(side)
-        cache.pos.copy_(pos)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            outputs = step(token_in, noise_in)  # recorded, not run
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step(static["token"], static["noise"])  # recorded, not run
     except RuntimeError as e:
         GRAPH_CAPTURE["failed"] = True
         print(f"note: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:200]}); "
               "sampling runs eagerly")
-        cache.pos.copy_(pos)
-        if previous is not None:
-            cache.previous.copy_(previous)
-        return step
-    cache.pos.copy_(pos)  # capturing ran nothing; only the warm-up moved these
+        graph = outputs = None
+    cache.pos.copy_(pos)
     if previous is not None:
         cache.previous.copy_(previous)
-
-    def replay(token, noise):
-        token_in.copy_(token)
-        noise_in.copy_(noise)
-        captured.replay()
-        return outputs
-    return replay
+    return dict(static, graph=graph, outputs=outputs)
 
 
 # -----------------------------------------------------------------------------

@@ -4,11 +4,13 @@ import json
 import os
 import pickle
 from argparse import Namespace
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import grpo
+import model as model_module
 from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, generate, load_checkpoint, master_weights,
                    save_checkpoint)
 from tasks.gsm8k import calculator
@@ -117,6 +119,26 @@ def test_static_decoding_samples_what_dynamic_decoding_samples(generation):
         torch.testing.assert_close(dynamic["logprobs"], static["logprobs"], rtol=0, atol=1e-4)
         lengths += dynamic["lengths"].tolist()
     assert len(set(lengths)) > 2  # rows finished at different steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_a_captured_decode_step_samples_what_the_eager_one_does(generation, monkeypatch, capsys):
+    # the graph replays the static step's kernels: the same numbers, bit for bit, in float32 and under bf16; and a
+    # capture that fails leaves the eager step to do the work, after one note
+    model = random_model(generation).cuda()
+    prompts = random_tokens(5, 40, 77)
+    for autocast in (nullcontext(), torch.autocast("cuda", dtype=torch.bfloat16)):
+        with autocast:
+            static, graph = (generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode=decode)
+                             for decode in ("static", "graph"))
+        for key in static:
+            assert torch.equal(static[key], graph[key]), key
+    monkeypatch.setitem(model_module.GRAPH_CAPTURE, "failed", False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no capture here")))
+    fallback = generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="graph")
+    assert capsys.readouterr().out.count("note: the decode step could not be captured") == 1
+    assert torch.equal(fallback["tokens"], generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="static")["tokens"])
 
 
 @pytest.mark.parametrize("generation", WINDOWED)
