@@ -9,6 +9,7 @@ Read from the top:
 Below the banner: which generation a checkpoint is, nanochat's on-disk layout (find / load / save, atomic writes)
 and the safe reader of tokenizer.pkl.
 """
+import errno
 import functools
 import json
 import math
@@ -879,20 +880,31 @@ def model_from_state(model_config, state, generation=None, window_pattern=None, 
 
 class _KeepWriteError:
     """The file torch.save writes through: torch reports a failed write (disk full) as a RuntimeError that has lost
-    the errno, so the OSError is kept here to be raised instead."""
+    the errno, so the OSError is kept here to be raised instead. A short write (the disk or a file-size limit
+    reached mid-buffer) is followed by another, which raises the OSError that says why."""
 
     def __init__(self, f):
         self.f, self.error = f, None
 
     def write(self, data):
+        view, written = memoryview(data).cast("B"), 0
         try:
-            return self.f.write(data)
+            while written < len(view):
+                n = self.f.write(view[written:])
+                if not n:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += n
         except OSError as e:
             self.error = e
             raise
+        return written
 
     def flush(self):
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = e
+            raise
 
 
 def atomic_save(obj, path):

@@ -556,3 +556,40 @@ def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(phase, flag
     assert message.startswith(f"error: out of GPU memory {dict(sampling='while sampling', eval='in the eval').get(phase, '')}")
     assert flag in message and "step 1 in " in message and message.endswith("go on from it with --resume")
     assert {"log-probs": "old and reference log-probs", "update": "in the update"}.get(phase, "") in message
+
+
+def test_a_short_write_while_saving_is_the_disks_error_not_a_traceback(tmp_path, monkeypatch):
+    # A file-size limit or a full disk can cut torch.save's last write short: nothing fails after it, and torch's
+    # end-of-file check stops with "unexpected pos", a RuntimeError without the errno (seen once in this suite, a
+    # traceback instead of the one-line message), unless the rest is written and its OSError kept.
+    import model
+    real_fdopen = os.fdopen
+    model.atomic_save({"w": torch.zeros(1000)}, str(tmp_path / "whole.pt"))
+    size = os.path.getsize(tmp_path / "whole.pt")
+    os.remove(tmp_path / "whole.pt")
+
+    class FillsUp:  # room for all but the last 10 bytes
+        def __init__(self, f):
+            self.f, self.room = f, size - 10
+
+        def write(self, data):
+            if self.room == 0:
+                raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+            n = min(len(data), self.room)
+            self.room -= n
+            return self.f.write(bytes(data)[:n])
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(model.os, "fdopen", lambda fd, mode: FillsUp(real_fdopen(fd, mode)))
+    with pytest.raises(OSError) as error:
+        model.atomic_save({"w": torch.zeros(1000)}, str(tmp_path / "model.pt"))
+    assert error.value.errno == errno.EFBIG and error.value.filename == str(tmp_path / "model.pt")
+    assert os.listdir(tmp_path) == []
