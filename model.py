@@ -339,9 +339,11 @@ class GPT(nn.Module):
     def forward(self, idx, cache=None, softcap=True):
         return self.logits(self.hidden(idx, cache), softcap)
 
-    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, chunk_size=16384):
+    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, where=None, chunk_size=16384):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
         also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
+        where [B, T] bool: the head runs at these positions only, and the others are 0. The trainer passes the
+        loss mask: a prompt's positions are never in the loss, and the head is much of a forward pass's cost.
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
         chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
@@ -350,24 +352,29 @@ class GPT(nn.Module):
         and both ways give the same numbers."""
         x = (compiled_hidden() if self.compile_hidden else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
+        if where is not None:
+            at = where.flatten().nonzero().squeeze(1)  # [K]: the positions asked for
+            x, flat_targets = x[at], flat_targets[at]  # [K, C], [K]
 
         def chunk_logprobs(x_chunk, target_chunk):
             logits = self.logits(x_chunk) / temperature  # [chunk, V]
             normaliser = torch.logsumexp(logits, dim=1)
             logprobs = logits.gather(1, target_chunk[:, None]).squeeze(1) - normaliser
             if not with_entropy:
-                return logprobs
+                return (logprobs,)
             log_p = logits - normaliser[:, None]
             return logprobs, -(log_p.exp() * log_p).sum(dim=1)
 
         out = []
-        for i in range(0, x.size(0), chunk_size):
+        for i in range(0, max(x.size(0), 1), chunk_size):  # at least one chunk, empty when nothing is asked for
             args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
             recompute = torch.is_grad_enabled() and args[0].size(0) * self.lm_head.out_features >= CHECKPOINT_LOGITS
             out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
-        if not with_entropy:
-            return torch.cat(out).view_as(targets)
-        return tuple(torch.cat(parts).view_as(targets) for parts in zip(*out))
+        results = [torch.cat(parts) for parts in zip(*out)]  # each [B*T], or [K] with where
+        if where is not None:
+            results = [torch.zeros(targets.numel(), device=x.device).index_copy(0, at, r) for r in results]
+        results = [r.view_as(targets) for r in results]
+        return tuple(results) if with_entropy else results[0]
 
     # LoRA (Hu et al. 2021): every matrix W [out, in] inside the blocks computes W x + (alpha / r) B A x, with
     # A [r, in] and B [out, r] the only weights that train. Each adapter is a forward hook on its nn.Linear, so the

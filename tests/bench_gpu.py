@@ -113,12 +113,14 @@ def decode_bound(model, rows, bandwidth):
 
 
 def update_flops(model, batch, passes):
-    """Model FLOPs of the update: forward + backward = 6 per matmul parameter per token, plus attention."""
+    """Model FLOPs of the update: forward + backward = 6 per matmul parameter per token, plus attention. The head
+    counts only at the positions in the loss, the only ones where the update runs it."""
     c = model.config
-    matmul_params = sum(p.numel() for p in model.transformer.h.parameters()) + model.lm_head.weight.numel()
+    block_params = sum(p.numel() for p in model.transformer.h.parameters())
     N, T = batch["input_ids"].shape
+    head_positions = int((batch["loss_mask"] > 0).sum())
     attention = 12 * c.n_layer * c.n_embd * T  # QK^T and AV, forward and backward, full (not causal-halved) as nanochat counts
-    return passes * N * T * (6 * matmul_params + attention)
+    return passes * (N * T * (6 * block_params + attention) + head_positions * 6 * model.lm_head.weight.numel())
 
 
 def training_step(model, prompts, algo, compiled):

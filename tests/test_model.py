@@ -85,6 +85,31 @@ def test_token_logprobs_match_log_softmax_and_its_gradient():
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
 
 
+def test_token_logprobs_where_computes_only_those_positions_with_the_same_numbers_and_gradients():
+    # The trainer passes the loss mask: what it gets at the masked positions, and their gradients, must be what the
+    # whole [B, T] computation gives there; the other positions are 0 and send no gradient.
+    model = tiny_model(seed=2)
+    idx, targets = torch.randint(0, 256, (3, 10)), torch.randint(0, 256, (3, 10))
+    where = torch.rand(3, 10) > 0.5
+    where[1] = False  # a row with nothing asked for
+    full = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True, chunk_size=4)
+    some = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True, where=where, chunk_size=4)
+    weights = torch.randn(3, 10)
+    grads = []
+    for logprobs, entropy in (full, some):
+        loss = ((logprobs + 0.3 * entropy) * weights * where).sum()
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    for a, b in zip(full, some):  # log-probs, entropies
+        assert torch.equal(b[~where], torch.zeros((~where).sum()))
+        torch.testing.assert_close(a[where], b[where], rtol=0, atol=1e-6)
+    for a, b in zip(*grads):  # float32 sums over different numbers of rows: equal up to rounding, ~1e-7 of the norm
+        assert (a - b).norm() <= 1e-5 * a.norm(), ((a - b).norm(), a.norm())
+    # Nothing asked for at all (e.g. a micro-batch of dropped groups): zeros, and a backward that still runs.
+    none = model.token_logprobs(idx, targets, where=torch.zeros(3, 10, dtype=torch.bool))
+    assert torch.equal(none, torch.zeros(3, 10))
+    none.sum().backward()
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 def test_save_load_round_trip_is_exact(tmp_path):
