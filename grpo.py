@@ -188,10 +188,13 @@ PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, nu
 # The demo: a 2-layer GPT from random weights, settings chosen by measurement (README; AdamW stalled at 0.74-0.87).
 # Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt. The entropy
 # bonus keeps every digit in play: without it one seed in five never learned a digit and stalled below 0.9; at 0.01
-# seed 8 still lost the digit 1 (sampled about once in 100 steps where it belongs, too rarely to be learned).
+# seed 8 still lost the digit 1 (sampled about once in 100 steps where it belongs, too rarely to be learned). The bonus
+# competes with the policy term, whose scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01
+# with raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
+DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01}  # batch: / the step's std
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
             max_new_tokens=8, eval_max_new_tokens=8, top_k=0, device_batch_size=256, algo="grpo", optimizer="muon",
-            init_lr_frac=0.25, entropy_coef=0.03, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0,
+            init_lr_frac=0.25, entropy_coef=None, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0,
             save_every=250, device="cpu")
 
 
@@ -621,6 +624,8 @@ def resolve_config(argv=None):
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.entropy_coef is None:  # the demo's, unless given: by the advantages' scale
+        args.entropy_coef = DEMO_ENTROPY_COEF[args.advantage]
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
