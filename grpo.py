@@ -127,7 +127,7 @@ arg("--top-k", type=int, default=50, help="0: sample from the full softmax (no m
 arg("--device-batch-size", type=count, default=8, help="rows per forward/backward pass (memory, not the math; 8 fits "
     "full GRPO with KL at nanochat's d20 on an 80 GB GPU)")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
-    help="torch.compile the forward of the log-probs and the update (default: on with CUDA)")
+    help="torch.compile the forward of the log-probs and the update, and the decode step (default: on with CUDA)")
 # optimization (shared)
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
 arg("--lr", type=float, default=1e-5, help="adamw learning rate")
@@ -747,7 +747,7 @@ def start_run(args, run_dir, rank, writes):
         sys.exit(f"error: {e}")
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
-    model.compile_hidden = args.compile  # the reference, a copy of the model, inherits it
+    model.use_compile = args.compile  # the reference, a copy of the model, inherits it
     if args.lora_rank:  # before the optimizers: the adapters are the only weights that train
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     optimizers = make_optimizers(model, args)

@@ -106,7 +106,8 @@ def rotary(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of left-padded rows: [n_layer, B, n_kv_head, max_len, hd].
+    """Keys and values of every layer for a batch of left-padded rows: one [B, n_kv_head, max_len, hd] tensor per
+    layer (not one tensor for all: a compiled step that writes into a view of a larger tensor copies all of it).
 
     Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
     so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
@@ -131,21 +132,21 @@ class KVCache:
         max_len columns)."""
         if self.k is None:
             B, H, _, hd = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, hd)
-            self.v = torch.zeros_like(self.k)
+            self.k = [k.new_zeros(B, H, self.max_len, hd) for _ in range(self.n_layer)]
+            self.v = [v.new_zeros(B, H, self.max_len, hd) for _ in range(self.n_layer)]
         if self.static:  # one token per row, written at the column pos points to
             self.k[layer].index_copy_(2, self.pos.view(1), k)
             self.v[layer].index_copy_(2, self.pos.view(1), v)
             return self.k[layer], self.v[layer]
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def select(self, rows):
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows)."""
         self.pad = self.pad[rows]
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.k, self.v = [keys[rows] for keys in self.k], [values[rows] for values in self.v]
         if self.previous is not None:
             self.previous = self.previous[rows]
 
@@ -174,6 +175,10 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(rotary(q, *cos_sin)), norm(rotary(k, *cos_sin))  # rotary first, then QK-norm
         if self.qk_scale != 1.0:  # sharpens attention beyond SDPA's 1/sqrt(hd)
             q, k = q * self.qk_scale, k * self.qk_scale
+        # CUDA's autocast runs rms_norm in float32, and SDPA casts its inputs to bf16 itself, every call: cast q and k
+        # here, the same rounding, so that the KV cache holds what attention reads (half the bytes of float32, and no
+        # cast of the whole cache in every decode step). A no-op without autocast and on the CPU.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
@@ -246,7 +251,9 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in value_embed_layers})
         self.disk_dtypes = {}  # state-dict key -> dtype on disk, where not float32 (filled by the loader)
         self.lora, self.lora_scale, self.lora_enabled = None, 0.0, False  # adapters: see add_lora
-        self.compile_hidden = False  # token_logprobs runs a compiled hidden() (see compiled_hidden, below the banner)
+        # token_logprobs' forward and the static decode step through torch.compile (compiled_hidden and
+        # compiled_decode_step, below the banner)
+        self.use_compile = False
 
     @torch.no_grad()
     def init_weights(self, seed=0):
@@ -350,7 +357,7 @@ class GPT(nn.Module):
         float32 tensor is 2 GiB, and softcap + log_softmax would keep several). Logits too small to matter
         (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
         and both ways give the same numbers."""
-        x = (compiled_hidden() if self.compile_hidden else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
+        x = (compiled_hidden() if self.use_compile else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
         if where is not None:
             at = where.flatten().nonzero().squeeze(1)  # [K]: the positions asked for
@@ -489,7 +496,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     `decode`: how a decode step runs. "dynamic": attention over the columns written so far, and finished rows
     leave the batch (least work: the CPU's default). "static": the same shapes every step (KVCache.make_static),
     finished rows stay, masked. "graph": static, captured once as a CUDA graph and replayed, one launch a step
-    (CUDA's default: a step of small kernels is bound by launches, not by the GPU). The same tokens either way,
+    (CUDA's default: a step of small kernels is bound by launches, not by the GPU). With model.use_compile a static
+    step runs compiled (its small kernels fused), captured or not. The same tokens either way,
     up to rounding (the attention sums over a different number of columns).
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
@@ -669,39 +677,61 @@ class Tokenizer:
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# The training forward compiled, and the decode step eager or captured as a CUDA graph
+# The forwards compiled, and the decode step eager or captured as a CUDA graph
+
+# Inductor keeps a fused kernel's intermediates in float32 unless told to round them where the code casts: without
+# that, the rotary tables of nanochat's older generations (rounded to bf16) and every bf16 value under autocast would
+# be computed more precisely than nanochat does (measured on the CPU: gradients 3.5e-3 apart, 1e-6 with).
+EXACT_CASTS = {"emulate_precision_casts": True}
+
 
 @functools.cache
 def compiled_hidden():
     """GPT.hidden through torch.compile, once per process (each model it sees gets its own guards). Shapes are
-    dynamic: every step's batch has its own longest reply, and a compile per length would cost more than it saves.
-    Inductor keeps a fused kernel's intermediates in float32 unless told to round them where the code casts: without
-    that, the rotary tables of nanochat's older generations (rounded to bf16) and every bf16 value under autocast
-    would be computed more precisely than nanochat does (measured on the CPU: gradients 3.5e-3 apart, 1e-6 with)."""
-    return torch.compile(GPT.hidden, dynamic=True, options={"emulate_precision_casts": True})
+    dynamic: every step's batch has its own longest reply, and a compile per length would cost more than it saves."""
+    return torch.compile(GPT.hidden, dynamic=True, options=EXACT_CASTS)
+
+
+def decode_step(model, cache, token, noise, temperature, top_k):
+    """token [N] -> (sampled [N], log-probs [N]): one token through the model with the cache, then sampled."""
+    logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
+    return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
+
+
+@functools.cache
+def compiled_decode_step():
+    """decode_step through torch.compile, for a static cache: a layer's ~40 small kernels (norms, rotary, gates,
+    masks) fused into a few, which matters most inside a CUDA graph, where a step costs what its kernels do. Dynamic
+    shapes: one compile serves every batch size and cache length."""
+    return torch.compile(decode_step, dynamic=True, options=EXACT_CASTS)
 
 
 GRAPH_CAPTURE = {"failed": False}  # a capture that failed once is not tried again in this process
 
 
 def decoder(model, cache, temperature, top_k, graph):
-    """-> step(token [N], noise [N]) -> (sampled [N], log-probs [N]): one token through the model with the cache,
-    then sampled. graph (CUDA, static cache): the first call captures the step and every call replays it, so its
-    ~40 kernels a layer cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If
-    the capture fails, the steps run eagerly, with one note."""
-    def step(token, noise):
-        logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
-        return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
+    """-> step(token [N], noise [N]) -> (sampled [N], log-probs [N]), compiled with model.use_compile and a static
+    cache. graph (CUDA, static cache): the first call captures the step and every call replays it, so its kernels
+    cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If the capture (or the
+    compile) fails, the steps run eagerly, uncompiled, with one note."""
+    def eager(token, noise):
+        return decode_step(model, cache, token, noise, temperature, top_k)
 
-    if not graph or cache.pad.device.type != "cuda" or GRAPH_CAPTURE["failed"]:
+    def compiled(token, noise):
+        return compiled_decode_step()(model, cache, token, noise, temperature, top_k)
+
+    step = compiled if model.use_compile and cache.static else eager
+    if not graph or cache.pad.device.type != "cuda":
         return step
+    if GRAPH_CAPTURE["failed"]:
+        return eager
     captured = {}
 
     def replay(token, noise):
         if not captured:
             captured.update(capture(step, cache, token, noise))
         if captured["graph"] is None:
-            return step(token, noise)
+            return eager(token, noise)
         captured["token"].copy_(token)
         captured["noise"].copy_(noise)
         captured["graph"].replay()
@@ -727,8 +757,8 @@ def capture(step, cache, token, noise):
             outputs = step(static["token"], static["noise"])  # recorded, not run
     except RuntimeError as e:
         GRAPH_CAPTURE["failed"] = True
-        print(f"note: the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0][:200]}); "
-              "sampling runs eagerly")
+        print(f"note: the decode step could not be compiled or captured as a CUDA graph "
+              f"({str(e).splitlines()[0][:200]}); sampling runs eagerly")
         graph = outputs = None
     cache.pos.copy_(pos)
     if previous is not None:

@@ -7,10 +7,10 @@ GPU benchmark: rollouts and training steps of nanochat-shaped models, next to th
 
 For each shape (random weights, nanochat's newest GPT generation by default):
 (a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call per decode mode
-    (graph: the decode step captured as a CUDA graph, the default; static: the same shapes, eager; dynamic:
-    finished rows leave, the CPU's default), and one call per prompt; the prefill's time; the decode step's
-    time next to its memory-bandwidth bound (bytes of bf16 weights + KV cache read per step / the bandwidth of a
-    device-to-device copy measured here);
+    (graph+compile: the decode step compiled and captured as a CUDA graph, grpo.py's default on CUDA; graph: the
+    same, not compiled; static: the same shapes, eager; dynamic: finished rows leave, the CPU's default), and one
+    call per prompt; the prefill's time; the decode step's time next to its memory-bandwidth bound (bytes of bf16
+    weights + KV cache read per step / the bandwidth of a device-to-device copy measured here);
 (b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile): its split (sample / old +
     reference log-probs / update), the update's model FLOP utilisation (6 x matmul parameters + attention per
     token, recomputation not counted) and peak memory. The compiled update is timed after one that compiles.
@@ -128,11 +128,13 @@ def training_step(model, prompts, algo, compiled):
              "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(args.device_batch_size)]
     step_args = grpo.resolve_config(flags)
     policy = copy.deepcopy(model)
-    policy.compile_hidden = compiled  # as grpo.py's --compile, before the reference copy
+    policy.use_compile = compiled  # as grpo.py's --compile, before the reference copy
     optimizers = grpo.make_optimizers(policy, step_args)
     ref_model = copy.deepcopy(policy).requires_grad_(False) if step_args.kl_coef > 0 else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    if compiled:
+        rollouts(policy, prompts[:2])  # the decode step compiles here, not in the timed sampling
     samples, time_sample = timed(lambda: rollouts(policy, prompts))
     rewards = torch.rand(args.prompts, args.samples, generator=torch.Generator().manual_seed(0))
     batch = {k: v.to(device) for k, v in grpo.make_batch(prompts, samples, rewards, step_args).items()}
@@ -164,19 +166,26 @@ for shape in args.shapes.split(","):
     print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
     new_tokens = args.prompts * args.samples * args.new_tokens
     seconds = {}
-    for decode in ("graph", "static", "dynamic"):
-        rollouts(model, prompts[:2], decode)  # warm-up: kernels, allocator
-        _, seconds[decode] = timed(lambda: rollouts(model, prompts, decode))
+    modes = [("graph+compile", "graph", True)] if cuda else []  # compiling on a CPU takes minutes
+    for label, decode, compiled in modes + [("graph", "graph", False), ("static", "static", False),
+                                            ("dynamic", "dynamic", False)]:
+        model.use_compile = compiled
+        _, warm_up = timed(lambda: rollouts(model, prompts[:2], decode))  # compile, kernels, allocator
+        if compiled:
+            print(f"  (compiling the decode step: {warm_up:.0f} s)")
+        _, seconds[label] = timed(lambda: rollouts(model, prompts, decode))
+    model.use_compile = cuda  # grpo.py's default
     _, per_prompt_seconds = timed(lambda: [rollouts(model, [p]) for p in prompts])
     # the decode step: a whole call minus a call that only prefills and draws the first token
     _, prefill_seconds = timed(lambda: rollouts(model, prompts, new_tokens=1))
-    step_seconds = (seconds["graph"] - prefill_seconds) / (args.new_tokens - 1)
+    best = modes[0][0] if modes else "graph"
+    step_seconds = (seconds[best] - prefill_seconds) / (args.new_tokens - 1)
     bound, weight_bytes, kv_bytes = decode_bound(model, args.prompts * args.samples, bandwidth)
     print("  rollouts, one call: " + "; ".join(f"{decode} {new_tokens / s:9.0f} tokens/s ({s:.2f} s)"
                                               for decode, s in seconds.items()))
-    print(f"  rollouts, one prompt per call (default decode): {new_tokens / per_prompt_seconds:9.0f} tokens/s "
+    print(f"  rollouts, one prompt per call (grpo.py's default decode): {new_tokens / per_prompt_seconds:9.0f} tokens/s "
           f"({per_prompt_seconds:.2f} s); prefill of {args.prompts} prompts + first tokens: {prefill_seconds:.3f} s")
-    print(f"  decode step, graph ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
+    print(f"  decode step, {best} ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
           f"{1e3 * bound:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB a step) "
           f"= {bound / step_seconds:.0%} of the bound")
     for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes

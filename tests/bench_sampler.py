@@ -4,6 +4,7 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
     python tests/bench_sampler.py                 # nanochat d4 shape, vocab 65,536
     python tests/bench_sampler.py --max-new-tokens 128 --device cuda
     python tests/bench_sampler.py --generation classic smear-backout --repeats 5   # oldest vs newest nanochat GPT
+    python tests/bench_sampler.py --decode static --compile   # the decode step of static shapes, compiled
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
@@ -33,6 +34,8 @@ parser.add_argument("--samples", type=int, default=16)
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--repeats", type=int, default=1, help="time each way this many times: median and range")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="generate()'s decode")
+parser.add_argument("--compile", action="store_true", help="the static decode step through torch.compile (grpo.py's --compile)")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -43,13 +46,15 @@ config = GPTConfig(sequence_len=args.sequence_len, vocab_size=args.vocab_size, n
 models = {}
 for generation in args.generation:
     model = models[generation] = GPT(config, generation).init_weights(0).to(device).eval()
+    model.use_compile = args.compile
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.02)  # spread-out logits, so that sampling does real work
         model.lm_head.weight[[tokenizer.assistant_end, tokenizer.bos]] = 0  # logit 0: never in the top 50, never stops
 prompts = [torch.randint(0, 256, (int(n),)).tolist() for n in torch.randint(20, 80, (args.prompts,))]
 autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 print(f"model: {args.n_layer} layers, n_embd {args.n_embd}, vocab {args.vocab_size}; device {device}, "
-      f"{torch.get_num_threads()} threads; {args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens")
+      f"{torch.get_num_threads()} threads; {args.prompts} prompts x {args.samples} samples x {args.max_new_tokens} tokens; "
+      f"decode {args.decode}{', compiled' if args.compile else ''}")
 
 
 def timed(fn, model):
@@ -63,13 +68,14 @@ def timed(fn, model):
 
 
 def batched(model):
-    out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50)
+    out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
+                   decode=args.decode)
     return int(out["lengths"].sum())
 
 
 def one_prompt_per_call(model):
-    return sum(int(generate(model, tokenizer, [p], args.samples, args.max_new_tokens, temperature=1.0,
-                            top_k=50)["lengths"].sum()) for p in prompts)
+    return sum(int(generate(model, tokenizer, [p], args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
+                            decode=args.decode)["lengths"].sum()) for p in prompts)
 
 
 @torch.no_grad()
@@ -84,7 +90,7 @@ def naive_one_prompt(model):
 
 with autocast:
     for model in models.values():
-        generate(model, tokenizer, prompts[:2], 2, 4)  # warm-up
+        generate(model, tokenizer, prompts[:2], 2, 4, top_k=50, decode=args.decode)  # warm-up (and compile)
     for name, fn in [("batched, one call", batched), ("one prompt per call", one_prompt_per_call),
                      ("naive, no cache (1 prompt)", naive_one_prompt)]:
         runs = {generation: [] for generation in models}

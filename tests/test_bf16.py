@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import grpo
-from model import GENERATIONS, generate, load_checkpoint
+import model as model_module
+from model import GENERATIONS, KVCache, generate, load_checkpoint
 from test_generations import EMBEDDINGS, FIXTURES, TOK, nanochat_dir, random_model, random_tokens
 from test_grpo import GradRecorder, args_for, run_flags, sampled_batch
 
@@ -95,6 +96,23 @@ def test_bf16_sampler_greedy_equals_a_bf16_forward_without_cache(generation):
         assert torch.equal(logits.argmax(dim=1)[clear], reply[clear])
         clear_leads += clear.sum().item()
     assert clear_leads >= 48  # half the tokens, so the exact comparison has teeth (measured: 70 and 80 of 96)
+
+
+def test_the_kv_cache_holds_bf16_when_the_qk_norm_returns_float32(monkeypatch):
+    # CUDA's autocast runs rms_norm in float32 (its float32 op list; the CPU's runs it in bf16), so q and k leave the
+    # QK-norm in float32 there: simulated here. Attention computes in bf16 either way; the cache must hold bf16 too,
+    # or every decode step reads twice the bytes and SDPA casts the whole cache again.
+    monkeypatch.setattr(model_module, "norm", lambda x: torch.nn.functional.rms_norm(x.float(), (x.size(-1),)))
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+    model = random_model("smear-backout")
+    cache = KVCache(model.config.n_layer, torch.zeros(2, dtype=torch.long), 16)
+    with torch.no_grad(), BF16:
+        model.hidden(torch.tensor(random_tokens(8, 8)), cache)
+    assert {t.dtype for t in cache.k + cache.v} == {torch.bfloat16}
+    assert set(seen) == {(torch.bfloat16,) * 3} and len(seen) == model.config.n_layer
 
 
 def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):

@@ -121,6 +121,28 @@ def test_static_decoding_samples_what_dynamic_decoding_samples(generation):
     assert len(set(lengths)) > 2  # rows finished at different steps
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_a_compiled_decode_step_samples_what_the_eager_one_does(generation):
+    # --compile with a static cache: decode_step through torch.compile (inductor, as on a GPU), for the oldest
+    # generation (bf16-rounded rotary tables) and the newest (smear, backout, value embeddings, windows). Replies end
+    # at different steps, with the calculator; a second call with other shapes reuses the compiled step.
+    model = random_model(generation)
+    prompts = random_tokens(5, 40, 77)
+    with torch.no_grad():
+        favourite = model(torch.tensor([sum(prompts, [])]))[0].argmax(dim=-1).mode().values
+        model.lm_head.weight[TOK.assistant_end] = 1.02 * model.lm_head.weight[favourite]
+    for batch in (prompts, prompts[1:]):
+        results = {}
+        for compiled in (False, True):
+            model.use_compile = compiled
+            results[compiled] = generate(model, TOK, batch, 4, 30, top_k=50, seed=3, tool=calculator, decode="static")
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            assert torch.equal(results[False][key], results[True][key]), key
+        torch.testing.assert_close(results[False]["logprobs"], results[True]["logprobs"], rtol=0, atol=1e-4)
+    assert len(set(results[True]["lengths"].tolist())) > 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("generation", ["classic", "smear-backout"])
 def test_a_captured_decode_step_samples_what_the_eager_one_does(generation, monkeypatch, capsys):
@@ -134,10 +156,18 @@ def test_a_captured_decode_step_samples_what_the_eager_one_does(generation, monk
                              for decode in ("static", "graph"))
         for key in static:
             assert torch.equal(static[key], graph[key]), key
+    # --compile: the compiled step is what is captured; in float32 it samples what the eager one does (as on the CPU)
+    eager = generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="static")
+    model.use_compile = True
+    compiled = generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="graph")
+    model.use_compile = False
+    for key in ("tokens", "mask", "lengths", "truncated"):
+        assert torch.equal(eager[key], compiled[key]), key
+    torch.testing.assert_close(eager["logprobs"], compiled["logprobs"], rtol=0, atol=1e-4)
     monkeypatch.setitem(model_module.GRAPH_CAPTURE, "failed", False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("no capture here")))
     fallback = generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="graph")
-    assert capsys.readouterr().out.count("note: the decode step could not be captured") == 1
+    assert capsys.readouterr().out.count("note: the decode step could not be compiled or captured") == 1
     assert torch.equal(fallback["tokens"], generate(model, TOK, prompts, 4, 30, top_k=50, seed=3, decode="static")["tokens"])
 
 

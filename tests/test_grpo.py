@@ -786,7 +786,7 @@ def test_a_compiled_update_gives_the_eager_loss_and_gradients():
     results = {}
     for compiled in (False, True):
         for net in (model, ref_model):
-            net.compile_hidden = compiled
+            net.use_compile = compiled
         recorder = GradRecorder(model)
         stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, ref_model)
         results[compiled] = stats, recorder.grads

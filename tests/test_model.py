@@ -215,6 +215,7 @@ class ScriptedModel(torch.nn.Module):
         self.config = GPTConfig(n_layer=1, vocab_size=vocab_size)
         self.generation = GENERATIONS["classic"]
         self.lm_head = torch.nn.Linear(1, 1)
+        self.use_compile = False
         self.table = torch.arange(vocab_size)  # by default a token repeats itself
         for a, b in transitions.items():
             self.table[a] = b
