@@ -533,7 +533,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     if decode != "dynamic":
         cache.make_static()
-    decode_step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
+    step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
     sampled, sampled_logprob = sample_tokens(logits[shared], temperature, top_k, noise[:, 0],
                                              model.generation.softcap)  # [N], [N]
 
@@ -580,7 +580,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             keep = (~done).nonzero().flatten()
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
-        sampled, sampled_logprob = decode_step(token, noise[rows, t + 1])
+        sampled, sampled_logprob = step(token, noise[rows, t + 1])
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                                         truncated=truncated).items()}
 
