@@ -692,7 +692,7 @@ def compiled_hidden():
     return torch.compile(GPT.hidden, dynamic=True, options=EXACT_CASTS)
 
 
-def decode_step(model, cache, token, noise, temperature, top_k):
+def decode_step(model, cache, temperature, top_k, token, noise):
     """token [N] -> (sampled [N], log-probs [N]): one token through the model with the cache, then sampled."""
     logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
     return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
@@ -714,13 +714,9 @@ def decoder(model, cache, temperature, top_k, graph):
     cache. graph (CUDA, static cache): the first call captures the step and every call replays it, so its kernels
     cost one launch; the outputs are the graph's own tensors, overwritten by the next call. If the capture (or the
     compile) fails, the steps run eagerly, uncompiled, with one note."""
-    def eager(token, noise):
-        return decode_step(model, cache, token, noise, temperature, top_k)
-
-    def compiled(token, noise):
-        return compiled_decode_step()(model, cache, token, noise, temperature, top_k)
-
-    step = compiled if model.use_compile and cache.static else eager
+    eager = functools.partial(decode_step, model, cache, temperature, top_k)
+    forward = compiled_decode_step() if model.use_compile and cache.static else decode_step
+    step = functools.partial(forward, model, cache, temperature, top_k)
     if not graph or cache.pad.device.type != "cuda":
         return step
     if GRAPH_CAPTURE["failed"]:
