@@ -25,6 +25,7 @@ import functools
 import glob
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
                    load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir,
-                   save_checkpoint)
+                   save_checkpoint, stop_signal, writing)
 from tasks.gsm8k import GSM8K
 from tasks.sort import Sort
 
@@ -589,15 +590,12 @@ OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 
 @contextmanager
 def stop_signals():
-    """SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run like Ctrl-C: with the one-line stop."""
+    """Ctrl-C, SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run with the one-line stop; one that
+    arrives while a file is written waits until the file is whole (model.writing)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
@@ -969,7 +967,7 @@ def write_run_files(args, run):
 
 def record(run, metrics):
     if run.master and run.writes:
-        with open(run.metrics_path, "a") as f:
+        with writing(), open(run.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if run.wandb:
             run.wandb.log(metrics, step=metrics["step"])
@@ -993,7 +991,7 @@ def log_samples(args, run, step, groups, batch):
         table.append([step + 1, index, run.train_task[index]["messages"][0]["content"],
                       reply_text(run.tokenizer, samples, row), rewards.flatten()[row].item(), advantages[row],
                       int(samples["lengths"][row]), bool(samples["truncated"][row])])
-    with open(run.samples_path, "a", encoding="utf-8") as f:
+    with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values))) + "\n" for values in table)
     if run.wandb:
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
@@ -1069,17 +1067,18 @@ def complete_steps(checkpoint_dir):
 
 def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config, keep_states):
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
-    # the resume state first, the model after: a step counts as saved once its model file exists
-    atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                 "master_weights": master_weights(model),
-                 "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
-                os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
-    save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
-    # Only now that this step is complete may older states go (optimizer state, master weights and reference are
-    # several times the model's size); every model file stays, so nanochat can load any saved step.
-    if keep_states:
-        for old in complete_steps(checkpoint_dir)[:-keep_states]:
-            os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
+    with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
+        # the resume state first, the model after: a step counts as saved once its model file exists
+        atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                     "master_weights": master_weights(model),
+                     "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
+                    os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
+        save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
+        # Only now that this step is complete may older states go (optimizer state, master weights and reference
+        # are several times the model's size); every model file stays, so nanochat can load any saved step.
+        if keep_states:
+            for old in complete_steps(checkpoint_dir)[:-keep_states]:
+                os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
 
 
 # Flags that a resumed run may change: where the run lives (a moved or copied run folder resumes), and what is
@@ -1547,8 +1546,9 @@ def plot_runs(names, configurations, plot_path):
     for ax in axes[1]:
         ax.set_xlabel("step")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
-    fig.savefig(plot_path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    atomic_save(png.getvalue(), plot_path)
     plt.close(fig)  # a long-lived process (the tests, a notebook) would otherwise keep every figure
     print(f"plot: {plot_path}")
 

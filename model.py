@@ -16,6 +16,7 @@ import math
 import os
 import pickle
 import re
+import signal
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -89,11 +90,11 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))  # no learnable weight, as in nanochat
 
 
-def rotary_tables(positions, head_dim, base, round_to_bf16):
-    """positions [B or 1, T] -> cos, sin [B or 1, T, 1, head_dim / 2], in float32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.float()[..., None] * inv_freq
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+def rotary_tables(length, head_dim, base, round_to_bf16):
+    """-> cos, sin [length, head_dim / 2] for positions 0 .. length - 1, in float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
     if round_to_bf16:  # as older nanochat: its tables were bf16 buffers, so their values carry bf16 rounding
         cos, sin = cos.bfloat16().float(), sin.bfloat16().float()
     return cos, sin
@@ -249,6 +250,13 @@ class GPT(nn.Module):
         if gen.smear_backout:
             self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(V, kv_dim) for i in value_embed_layers})
+        # Rotary tables for positions 0 .. 10 x sequence_len, computed once and eagerly, as nanochat does; not in the
+        # state dict. A forward only looks rows up: cos/sin recomputed inside a compiled graph differ in their last
+        # bits, which the classic tables' bf16 rounding turns into whole bf16 steps (other logits than nanochat's).
+        cos, sin = rotary_tables(10 * config.sequence_len, config.n_embd // config.n_head, gen.rotary_base,
+                                 gen.rotary_bf16)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
         self.disk_dtypes = {}  # state-dict key -> dtype on disk, where not float32 (filled by the loader)
         self.lora, self.lora_scale, self.lora_enabled = None, 0.0, False  # adapters: see add_lora
         # token_logprobs' forward and the static decode step through torch.compile (compiled_hidden and
@@ -293,6 +301,9 @@ class GPT(nn.Module):
             allowed = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
         # the last query's column, a Python int (no sync); static: the last column any step can reach
         last = T - 1 if cache is None else cache.max_len - 1 if cache.static else cache.pos + T - 1
+        if last >= self.rotary_cos.size(0):
+            raise ValueError(f"{last + 1} positions do not fit this model's rotary tables ({self.rotary_cos.size(0)}"
+                             " positions, 10 x sequence_len): use shorter prompts or replies")
         masks = {}
         for window in set(self.windows):
             if window is not None and window < last:  # query q sees keys q - window .. q: window + 1 of them
@@ -306,7 +317,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         gen = self.generation
         positions, masks = self.attention_masks(T, cache, idx.device)
-        cos_sin = rotary_tables(positions, self.config.n_embd // self.config.n_head, gen.rotary_base, gen.rotary_bf16)
+        cos_sin = (self.rotary_cos[positions][:, :, None], self.rotary_sin[positions][:, :, None])  # [B or 1, T, 1, hd/2]
         device_type = idx.device.type  # cast once to the dtype q and k will have, not twice in every layer
         autocast = torch.is_autocast_enabled(device_type)
         compute_dtype = torch.get_autocast_dtype(device_type) if autocast else torch.float32
@@ -940,10 +951,47 @@ class _KeepWriteError:
             raise
 
 
+# A stop signal (Ctrl-C, a scheduler's SIGTERM) that arrives inside writing() is held, and raised as
+# KeyboardInterrupt(signal name) once the outermost write has ended: the file whole and renamed. Raised part-way
+# through torch.save, it would unwind torch's zip writer, whose cleanup raises an error of its own in its place.
+# grpo.py's stop_signals installs stop_signal as the handler.
+WRITES = {"depth": 0, "held": None}
+
+
+@contextmanager
+def writing():
+    WRITES["depth"] += 1
+    try:
+        yield
+    except BaseException:
+        WRITES["depth"] -= 1
+        if not WRITES["depth"]:
+            WRITES["held"] = None  # the run stops on this error; the signal would only hide it
+        raise
+    WRITES["depth"] -= 1
+    if not WRITES["depth"] and WRITES["held"]:
+        name, WRITES["held"] = WRITES["held"], None
+        raise KeyboardInterrupt(name)
+
+
+def stop_signal(signum, frame):
+    """Signal handler: KeyboardInterrupt naming the signal, at once, or after the write under way."""
+    name = signal.Signals(signum).name
+    if WRITES["depth"]:
+        WRITES["held"] = WRITES["held"] or name
+    else:
+        raise KeyboardInterrupt(name)
+
+
 def atomic_save(obj, path):
     """bytes as they are, a .json path as JSON, anything else with torch.save. Written to a temporary file in
     the same folder, then renamed over the path: a crash never leaves a half-written file. A failed write (disk
     full, read-only) raises OSError with its errno and this path, and leaves nothing behind."""
+    with writing():
+        _atomic_save(obj, path)
+
+
+def _atomic_save(obj, path):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")

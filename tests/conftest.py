@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -37,12 +38,25 @@ def run_killed_after_first_save(monkeypatch):
     return run
 
 
+@pytest.fixture(autouse=True)
+def runs_on_the_cpu(request, monkeypatch):
+    """The suite's runs are CPU runs (float32, no compile, gloo ranks, CPU timings), on a GPU machine too, where
+    grpo.py would default to CUDA; a test marked `cuda` gets the GPU, and is skipped without one."""
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the runs a test starts as processes
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (torch.compile on the CPU)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
+    config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
 
 
 def pytest_collection_modifyitems(config, items):

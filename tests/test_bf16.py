@@ -142,8 +142,7 @@ def test_gpu_bench_runs_its_code_on_a_tiny_shape(monkeypatch, capsys):
 
     smoke = run("--smoke")
     assert "decode step" in smoke and "step reinforce" in smoke and "step grpo" in smoke
-    if not torch.cuda.is_available():
-        assert "nothing to measure" in run()
+    assert "nothing to measure" in run()  # the suite's CUDA is hidden (conftest): as on a machine without a GPU
 
 
 @pytest.mark.parametrize("generation", ["classic", "smear-backout"])

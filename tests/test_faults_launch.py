@@ -3,10 +3,12 @@ Faults from schedulers, torchrun and long runs: odd folder names, signals, a kil
 that changed between stop and resume, devices that do not exist, runs killed before their first checkpoint, copies of
 a run in --compare, and evaluating someone's checkpoint more than once.
 """
+import glob
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +20,7 @@ import tiktoken
 import torch
 
 import grpo
+import model as model_module
 from conftest import ROOT, Killed
 from model import SPECIAL_TOKENS
 from test_faults import GOOD_ROW, final_weights, flags, snapshot
@@ -86,6 +89,104 @@ def test_scheduler_signals_stop_with_the_one_line_message(tmp_path):
         assert "Traceback" not in err
         assert err.splitlines()[-1].startswith(f"error: stopped by {sig.name}. The run's newest checkpoint, step "), err
         assert err.splitlines()[-1].endswith("go on from it with --resume")
+
+
+class SignalHalfWay:
+    """A file being written whose first write sends this process a signal half-way through its bytes: Python runs
+    the handler right there, between the two halves, as when a scheduler's SIGTERM lands mid-write."""
+
+    def __init__(self, f, sig):
+        self.f, self.sig = f, sig
+
+    def write(self, data):
+        if self.sig is None:
+            return self.f.write(data)
+        half = len(data) // 2
+        written = self.f.write(data[:half])
+        os.kill(os.getpid(), self.sig)
+        self.sig = None
+        return written + self.f.write(data[half:])
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+def signal_in_write(monkeypatch, file_name, nth, sig):
+    """The nth write of a file called file_name (atomic_save's temporary file, or an append) is a SignalHalfWay."""
+    count = {"writes": 0}
+
+    def hit(path):
+        count["writes"] += os.path.basename(path) == file_name
+        return os.path.basename(path) == file_name and count["writes"] == nth
+
+    atomic_save, fdopen = model_module._atomic_save, os.fdopen
+
+    def atomic_save_hooked(obj, path):
+        if not hit(path):
+            return atomic_save(obj, path)
+        with monkeypatch.context() as patched:  # atomic_save writes through the file os.fdopen gives it
+            patched.setattr(os, "fdopen", lambda *a, **k: SignalHalfWay(fdopen(*a, **k), sig))
+            return atomic_save(obj, path)
+
+    def open_hooked(path, mode="r", *a, **k):
+        f = open(path, mode, *a, **k)
+        return SignalHalfWay(f, sig) if "a" in mode and hit(path) else f
+
+    monkeypatch.setattr(model_module, "_atomic_save", atomic_save_hooked)
+    monkeypatch.setattr(grpo, "open", open_hooked, raising=False)
+
+
+# each file of the run folder, at a write after the first checkpoint where there is one (metrics.jsonl: its empty
+# start, the step-0 eval, step 1, step 2; samples.jsonl: its start, step 1, step 2)
+WRITES = [("state_000002.pt", 1, signal.SIGTERM), ("model_000002.pt", 1, signal.SIGINT),
+          ("meta_000002.json", 1, signal.SIGHUP), ("config.json", 1, signal.SIGTERM),
+          ("tokenizer.pkl", 1, signal.SIGINT), ("metrics.jsonl", 4, signal.SIGHUP),
+          ("samples.jsonl", 3, signal.SIGTERM), ("step_2.jsonl", 1, signal.SIGINT),
+          ("curves.png", 1, signal.SIGHUP)]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight")
+    grpo.main(flags(root, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="straight"))
+    return final_weights(root / "runs" / "straight", 3)
+
+
+@pytest.mark.parametrize("file_name,nth,sig", WRITES, ids=[w[0] for w in WRITES])
+def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_path, monkeypatch, straight_run,
+                                                                         file_name, nth, sig):
+    if file_name == "curves.png":
+        pytest.importorskip("matplotlib")
+    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="signalled")
+    with monkeypatch.context() as patched:
+        signal_in_write(patched, file_name, nth, sig)
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main(argv)
+    message = exit_info.value.code  # a string: the process exits with status 1 and this line on stderr
+    assert isinstance(message, str) and "\n" not in message and message.startswith(f"error: stopped by {sig.name}. ")
+    assert not glob.glob(str(tmp_path / "runs" / "**" / ".tmp_*"), recursive=True)  # nothing half-written
+    named = re.search(r"newest checkpoint, step (\d+) in (\S+), is complete", message)
+    if named is None:  # stopped before its first step: as the message says, the same command again
+        assert message.endswith("Nothing of this run was written yet: run the command again")
+        grpo.main(argv)
+    else:
+        step, checkpoint_dir = int(named[1]), named[2]
+        assert os.path.isfile(os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+        if file_name.endswith(("000002.pt", "000002.json")):  # the step being saved is completed, then named
+            assert step == 2
+        grpo.main(argv + ["--resume"])
+    for k, v in final_weights(tmp_path / "runs" / "signalled", 3).items():
+        assert torch.equal(v, straight_run[k]), k
 
 
 def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):

@@ -143,7 +143,7 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does(generation):
     assert len(set(results[True]["lengths"].tolist())) > 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("generation", ["classic", "smear-backout"])
 def test_a_captured_decode_step_samples_what_the_eager_one_does(generation, monkeypatch, capsys):
     # the graph replays the static step's kernels: the same numbers, bit for bit, in float32 and under bf16; and a

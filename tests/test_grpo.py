@@ -465,7 +465,6 @@ def test_bad_flags_exit_2_before_any_work(flags, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_requested_without_cuda_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo.resolve_config(["--demo", "--device", "cuda"])
