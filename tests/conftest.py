@@ -46,8 +46,9 @@ def runs_on_the_cpu(request, monkeypatch):
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         return
+    # Not CUDA_VISIBLE_DEVICES: torch counts the devices once, so an empty value would hide the GPU from the CUDA
+    # tests after this one. The runs a test starts as processes are demo runs, which pin the CPU (--demo).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the runs a test starts as processes
 
 
 def pytest_addoption(parser):
