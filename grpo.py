@@ -35,6 +35,7 @@ import re
 import resource
 import signal
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -76,41 +77,67 @@ def weights(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected name=weight,name=weight, got {text!r}") from None
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
-                                 usage="python grpo.py [flags]   (python grpo.py --help lists them)")
-arg = parser.add_argument
-# the algorithm: defaults come from --algo; any flag given explicitly overrides its preset
+                                 usage="python grpo.py [flags]   (python grpo.py --help lists them)",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+# the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
+algorithm = parser.add_argument_group("algorithm")
+arg = algorithm.add_argument
 arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo"],
-    help="algorithm preset")
+    help="algorithm preset: sets the flags of this group that are not given")
 arg("--advantage", choices=["mean", "zscore", "rloo", "batch"],
     help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards")
-arg("--aggregation", choices=["token", "sequence", "constant"], help="how per-token losses are averaged")
+arg("--aggregation", choices=["token", "sequence", "constant"],
+    help="per-token losses averaged over all tokens; per reply, then over replies; / (replies x --max-new-tokens)")
 arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
 arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
-arg("--clip-eps-high", type=float, help="ratio clip, upper side (default: --clip-eps)")
-arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (off: none)")
-arg("--kl-coef", type=float, help="beta; 0 builds no reference model")
+arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (default: --clip-eps)")
+arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)")
+arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
 arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
     help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
-arg("--ref-reset-every", type=at_least(0), help="copy the policy into the reference every N steps (0: never)")
+arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
 arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most")
-arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise the last N tokens before --max-new-tokens")
-arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the policy's entropy")
+arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise replies in their last N tokens before the limit")
+arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the entropy (nats)")
 arg("--rollout-correction", default="off", choices=["off", "tis", "mask"],
     help="correct for the sampler's own distribution: weight by min(pi_old / pi_sampler, C) or drop outside [1/C, C]")
 arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction")
-# the task and the start policy
-arg("--demo", action="store_true", help="CPU demo defaults: sort task, tiny model from scratch")
-arg("--task", default="gsm8k", choices=list(TASKS))
-arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
-arg("--sort-length", type=count, default=5, help="digits per sort problem")
+arg = parser.add_argument_group("sampling (shared by all presets)").add_argument
+arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
+arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
+arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens")
+arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
+arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
+arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
+arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
+arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
+arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices")
+arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
+arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head")
+arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this")
+arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)")
+arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
+arg("--warmup-steps", type=at_least(0), default=0, help="steps of linear warmup from 1/N of the learning rates")
+arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
+arg("--num-steps", type=count, default=None, help="training steps (default: the task's; gsm8k: one epoch of its train split)")
+arg("--lora-rank", type=at_least(0), default=0,
+    help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
+arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)")
+arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)")
+arg = parser.add_argument_group("task, model and checkpoints").add_argument
+arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer model from scratch, full GRPO")
+arg("--task", default="gsm8k", choices=list(TASKS), help="what to train on")
+arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
+arg("--sort-length", type=count, default=5, help="digits per sort problem")
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', or a checkpoint folder")
 arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)")
 arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
@@ -119,53 +146,30 @@ arg("--window-pattern", default=None, help="S/L per layer where the checkpoint's
 arg("--depth", type=int, default=4, help="scratch model: layers")
 arg("--n-embd", type=int, default=256, help="scratch model: width")
 arg("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
-# sampling (shared by all presets)
-arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
-arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
-arg("--max-new-tokens", type=count, default=256)
-arg("--temperature", type=float, default=1.0)
-arg("--top-k", type=int, default=50, help="0: sample from the full softmax (no mismatch with the trained log-probs)")
-arg("--device-batch-size", type=count, default=8, help="rows per forward/backward pass (memory, not the math; 8 fits "
-    "full GRPO with KL at nanochat's d20 on an 80 GB GPU)")
-arg("--compile", action=argparse.BooleanOptionalAction, default=None,
-    help="torch.compile the forward of the log-probs and the update, and the decode step (default: on with CUDA)")
-# optimization (shared)
-arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
-arg("--lr", type=float, default=1e-5, help="adamw learning rate")
-arg("--matrix-lr", type=float, default=0.02, help="muon: transformer matrices")
-arg("--embedding-lr", type=float, default=0.2, help="muon scheme: AdamW on the embedding")
-arg("--unembedding-lr", type=float, default=0.004, help="muon scheme: AdamW on the lm head")
-arg("--init-lr-frac", type=float, default=0.05, help="muon scheme: every learning rate is scaled by this")
-arg("--weight-decay", type=float, default=0.0)
-arg("--grad-clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
-arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
-arg("--warmup-steps", type=at_least(0), default=0, help="linear warmup from 1/N of the learning rates")
-arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
-arg("--num-steps", type=count, default=None, help="default: one epoch of GSM8K train; 300 for sort")
-arg("--lora-rank", type=at_least(0), default=0,
-    help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
-arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)")
-arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)")
-# evaluation, logging, checkpoints
-arg("--eval-every", type=at_least(0), default=60)
+arg = parser.add_argument_group("run, evaluation and logging").add_argument
+arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
+arg("--runs-dir", default="runs", help="folder of the run folders")
+arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
+arg("--seed", type=int, default=0, help="seeds the weights of a scratch model, the data order and the sampling")
+arg("--eval-every", type=at_least(0), default=60, help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
-arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals (nanochat's chat_eval: 512)")
+arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)")
 arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
-arg("--save-every", type=at_least(0), default=60)
+arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay")
-arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
-arg("--runs-dir", default="runs")
-arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
-arg("--seed", type=int, default=0)
-arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
-arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
-arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
 arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/compare.png) of these runs, exit")
+arg = parser.add_argument_group("devices and processes").add_argument
+arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
+arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
+arg("--device-batch-size", type=count, default=8, help="rows per forward/backward pass: memory, not the result")
+arg("--compile", action=argparse.BooleanOptionalAction, default=None,
+    help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
+arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
@@ -186,6 +190,22 @@ PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28,
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
+
+
+def as_flags(settings):
+    """{"kl_coef": 0.04, "mask_truncated": True} -> "--kl-coef 0.04 --mask-truncated" (None: the flag's default)"""
+    words = []
+    for k, v in settings.items():
+        name = k.replace("_", "-")
+        if v is not None:
+            words.append(f"--{name}" if v is True else f"--no-{name}" if v is False else f"--{name} {v}")
+    return " ".join(words)
+
+
+algorithm.description = "--algo sets, where not given (the others: reinforce's values but these):\n" + "\n".join(
+    textwrap.fill(as_flags({k: v for k, v in preset.items() if name == "reinforce" or v != PRESETS["reinforce"][k]}),
+                  width=110, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12, break_on_hyphens=False)
+    for name, preset in PRESETS.items())
 # The demo: a 2-layer GPT from random weights, settings chosen by measurement (README; AdamW stalled at 0.74-0.87).
 # Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt. The entropy
 # bonus keeps every digit in play: without it one seed in five never learned a digit and stalled below 0.9; at 0.01
