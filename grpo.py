@@ -118,6 +118,8 @@ arg("--reward-weights", type=weights, help="the task's reward terms combined, e.
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
+arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
+    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; from scratch: v1)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
 arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices")
 arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
@@ -768,6 +770,9 @@ def start_run(args, run_dir, rank, writes):
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
     if args.lora_rank:  # before the optimizers: the adapters are the only weights that train
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    if args.optimizer == "muon" and not args.lora_rank:  # recorded, so that a resume steps with the same one
+        args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
+        log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version} (docs/optimizers.md)")
     optimizers = make_optimizers(model, args)
     if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
         parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
@@ -837,34 +842,134 @@ def tokenizer_path(checkpoint_dir):
 # -----------------------------------------------------------------------------
 # Optimizers. Muon: momentum, then the update's orthogonalised direction (Newton-Schulz), for the block matrices
 
-def newton_schulz(G, steps=5):
-    """Approximately U V^T for G = U S V^T: a quintic iteration whose coefficients push every singular
-    value towards 1 fast (not exactly to 1, which does not hurt in practice)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G / (G.norm() + 1e-7)
-    transposed = X.size(0) > X.size(1)
+# nanochat's optimizer, as its RL script of each generation builds it (five versions in 2025-2026). Muon for the
+# matrices inside the blocks: Nesterov momentum, then an orthogonalised update (U V^T of the momentum G = U S V^T,
+# approximated by a few matrix polynomials), scaled by sqrt(max(1, rows / cols)). AdamW for embeddings, head,
+# gains and gates. What changed from version to version, one row each:
+#   orthogonalise: "quintic" = one polynomial 5 times (X / (|X|_F + 1e-7)); "polar" = Polar Express, 5 polynomials
+#                  (X / (|X|_F * divisor + 1e-6))
+#   normuon:       beta2 of NorMuon's factored second moment (per row or column of the update), None: off
+#   muon_decay:    --weight-decay goes to Muon as cautious decay (only where update and weight agree in sign);
+#                  else it goes to AdamW
+#   equilibrate:   rows rescaled to the mean row norm before orthogonalising (MuonEq)
+#   renormalise:   the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)) (Muon+)
+#   adamw:         "torch" = torch's AdamW; "nanochat" = nanochat's own AdamW step (the same math, its rounding)
+#   groups:        AdamW group -> (betas, weight decay); "flag": --weight-decay
+#   value_embed_lr: the value embeddings' lr as a fraction of --embedding-lr
+def adamw_row(lm_head, wte, value_embeds, resid, x0, smear=((0.8, 0.95), 0.0)):
+    return dict(lm_head=lm_head, wte=wte, value_embeds=value_embeds, resid_lambdas=resid, x0_lambdas=x0, smear=smear)
+
+
+V1_ADAMW = adamw_row(*[((0.8, 0.95), "flag")] * 3, ((0.8, 0.95), 0.0), ((0.8, 0.95), 0.0))
+V2_ADAMW = adamw_row(*[((0.8, 0.95), 0.0)] * 5)
+V3_ADAMW = dict(V2_ADAMW, x0_lambdas=((0.96, 0.95), 0.0))
+V4_ADAMW = adamw_row(((0.8, 0.96), 0.01), ((0.8, 0.995), 0.001), ((0.8, 0.995), 0.01), ((0.8, 0.95), 0.05),
+                     ((0.96, 0.95), 0.0))
+OPTIMIZER_VERSIONS = {  # nanochat's commits: V1 Oct-Dec 2025, V2 Dec 2025-Jan 2026, V3 Jan-Mar, V4 Mar 9, V5 Mar 14 on
+    "v1": dict(orthogonalise="quintic", divisor=None, normuon=None, muon_decay=False, equilibrate=False,
+               renormalise=False, adamw="torch", groups=V1_ADAMW, value_embed_lr=1.0),
+    "v2": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="torch", groups=V2_ADAMW, value_embed_lr=1.0),
+    "v3": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="nanochat", groups=V3_ADAMW, value_embed_lr=1.0),
+    "v4": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
+    "v5": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=True,
+               renormalise=True, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
+}
+# the version nanochat's RL script used at each generation's commits
+GENERATION_OPTIMIZER = {"classic": "v1", "padded-vocab": "v2", "lambdas-windows": "v2", "value-embeds": "v3",
+                        "softcap20": "v3", "ve12-qk115": "v4", "smear-backout": "v5"}
+QUINTIC = [(3.4445, -4.7750, 2.0315)] * 5
+POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),  # Amsel et al. 2025, 5 steps
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def orthogonalise(G, version):
+    """~ U V^T for G = U S V^T: polynomials X <- a X + (b A + c A^2) X, A = X X^T, that push every singular value
+    of X towards 1. bf16 on CUDA, as nanochat runs it; float32 elsewhere."""
+    X = G.bfloat16() if G.is_cuda else G.float()
+    if version["equilibrate"]:  # every row to the mean row norm
+        X = X * (X.norm() / X.size(0) ** 0.5) / X.norm(dim=1, keepdim=True).clamp(min=1e-6)
+    if version["orthogonalise"] == "quintic":
+        X, coefficients = X / (X.norm() + 1e-7), QUINTIC
+    else:
+        X, coefficients = X / (X.norm() * version["divisor"] + 1e-6), POLAR_EXPRESS
+    transposed = X.size(0) > X.size(1)  # iterate on the smaller Gram matrix
     if transposed:
         X = X.T
-    for _ in range(steps):
+    for a, b, c in coefficients:
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
-    return X.T if transposed else X
+    X = (X.T if transposed else X).to(G.dtype)
+    if version["renormalise"]:
+        X = X * min(X.shape) ** 0.5 / X.norm().clamp(min=1e-6)
+    return X
 
 
 class Muon(torch.optim.Optimizer):
-    def __init__(self, params, lr, momentum=0.95):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
+    """nanochat's Muon of one version (OPTIMIZER_VERSIONS) for 2-D weights."""
+
+    def __init__(self, params, lr, version, weight_decay=0.0, momentum=0.95):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        self.version = version
 
     @torch.no_grad()
     def step(self):
+        version = OPTIMIZER_VERSIONS[self.version]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:  # as torch's optimizers: no gradient, no step
                     continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                state = self.state[p]
+                buf = state.setdefault("momentum", torch.zeros_like(p))
                 buf.lerp_(p.grad, 1 - group["momentum"])
-                update = newton_schulz(p.grad.lerp(buf, group["momentum"]))  # Nesterov
-                p.add_(update, alpha=-group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5)
+                update = orthogonalise(p.grad.lerp(buf, group["momentum"]), version)  # Nesterov
+                if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
+                    dim = 1 if p.size(0) >= p.size(1) else 0
+                    second_moment = state.setdefault("second_moment", torch.zeros_like(update.mean(dim, True)))
+                    second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
+                    scaled = update * second_moment.clamp(min=1e-10).rsqrt()
+                    update = scaled * (update.norm() / scaled.norm().clamp(min=1e-10))
+                lr = group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5
+                if group["weight_decay"]:  # cautious: decay only where the update pushes the same way
+                    p.sub_(lr * group["weight_decay"] * p * (update * p >= 0))
+                p.add_(update, alpha=-lr)
+
+
+class NanochatAdamW(torch.optim.Optimizer):
+    """nanochat's own AdamW step (from its optimizer version v3): decoupled decay, then Adam with bias correction."""
+
+    def __init__(self, params, lr, betas, eps=1e-10, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                p.mul_(1 - lr * group["weight_decay"])
+                m.lerp_(p.grad, 1 - beta1)
+                v.lerp_(p.grad.square(), 1 - beta2)
+                denominator = (v / (1 - beta2 ** t)).sqrt() + group["eps"]
+                p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+
+def optimizer_version(model, args):
+    """--optimizer-version, or the one of the checkpoint's generation; a model from scratch: v1."""
+    if args.optimizer_version:
+        return args.optimizer_version
+    return "v1" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
 
 
 def make_optimizers(model, args):
@@ -872,20 +977,28 @@ def make_optimizers(model, args):
         optimizers = [torch.optim.AdamW(model.lora.parameters(), lr=args.lora_lr, weight_decay=args.weight_decay)]
     elif args.optimizer == "adamw":
         optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
-    else:  # nanochat's scheme: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
+    else:  # nanochat's: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
+        name = optimizer_version(model, args)
+        version = OPTIMIZER_VERSIONS[name]
         scale = (model.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768: scaled as 1/sqrt(width)
-        adam_groups = [dict(params=[model.transformer.wte.weight], lr=args.embedding_lr * scale),
-                       dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale)]
+        homes = [("wte", [model.transformer.wte.weight], args.embedding_lr * scale),
+                 ("lm_head", [model.lm_head.weight], args.unembedding_lr * scale)]
         if model.value_embeds:
-            adam_groups.append(dict(params=list(model.value_embeds.parameters()), lr=args.embedding_lr * scale * 0.5))
-        if model.generation.lambdas:  # gains and gates: lrs not scaled by width, no decay that would pull them to 0
-            adam_groups += [dict(params=[model.resid_lambdas], lr=0.005, weight_decay=0.0),
-                            dict(params=[model.x0_lambdas], lr=0.5, betas=(0.96, 0.95), weight_decay=0.0)]
+            homes.append(("value_embeds", list(model.value_embeds.parameters()),
+                          args.embedding_lr * scale * version["value_embed_lr"]))
+        if model.generation.lambdas:  # gains: lrs not scaled by width
+            homes += [("resid_lambdas", [model.resid_lambdas], 0.005), ("x0_lambdas", [model.x0_lambdas], 0.5)]
         if model.generation.smear_backout:
-            adam_groups.append(dict(params=[model.smear_lambda, model.backout_lambda, model.smear_gate.weight],
-                                    lr=0.2, weight_decay=0.0))
-        optimizers = [torch.optim.AdamW(adam_groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay),
-                      Muon(model.transformer.h.parameters(), lr=args.matrix_lr)]
+            homes.append(("smear", [model.smear_gate.weight, model.smear_lambda, model.backout_lambda], 0.2))
+        adam_groups = []
+        for home, params, lr in homes:
+            betas, decay = version["groups"][home]
+            adam_groups.append(dict(params=params, lr=lr, betas=betas,
+                                    weight_decay=args.weight_decay if decay == "flag" else decay))
+        adamw = NanochatAdamW if version["adamw"] == "nanochat" else torch.optim.AdamW
+        optimizers = [adamw(adam_groups, lr=0.0, betas=(0.8, 0.95), eps=1e-10),
+                      Muon(model.transformer.h.parameters(), lr=args.matrix_lr, version=name,
+                           weight_decay=args.weight_decay if version["muon_decay"] else 0.0)]
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] *= args.init_lr_frac
@@ -1128,6 +1241,8 @@ def resume(args, run):
     except (OSError, ValueError) as e:
         sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
+    if run_config.get("optimizer") == "muon" and not run_config.get("lora_rank"):  # runs from before versions: v1
+        run_config.setdefault("optimizer_version", "v1")
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
         if digest != config["inputs"].get(name):
             sys.exit(f"error: --resume: the run's {INPUTS[name]} changed since it started (sha256 {str(digest)[:12]} "

@@ -490,8 +490,10 @@ def final_state(tmp_path, name, step):
     return model.state_dict()
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_save):
-    flags = ["--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "muon"]
+@pytest.mark.parametrize("version", ["v1", "v5"])  # v5: NorMuon's second moments and nanochat's AdamW state too
+def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_save, version):
+    flags = ["--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "muon", "--weight-decay", "0.1",
+             "--optimizer-version", version]
     grpo.main(run_flags(tmp_path, "straight", *flags))
     run_killed_after_first_save(run_flags(tmp_path, "resumed", *flags))
     half_written = tmp_path / "resumed" / "chatrl_checkpoints" / "d2" / ".tmp_killed"  # what a kill mid-save leaves
@@ -543,7 +545,8 @@ def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, 
     assert [m["skipped_updates"] for m in metrics] == [0, 0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("optimizer,minibatches,port", [("muon", "1", "29533"), ("adamw", "2", "29534")])
+@pytest.mark.parametrize("optimizer,minibatches,port", [("muon", "1", "29533"), ("adamw", "2", "29534"),
+                                                        ("muon-v5", "1", "29535")])
 def test_ddp_step_equals_single_process_step(tmp_path, optimizer, minibatches, port):
     # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers.
     # Two minibatches: each rank's share of a minibatch must be its share of the single process's minibatch. (Not
@@ -551,8 +554,9 @@ def test_ddp_step_equals_single_process_step(tmp_path, optimizer, minibatches, p
     # gradient to ~1e-5 in the second step's weights. Nor with the demo's entropy bonus: its gradient reaches embedding
     # rows that barely get any otherwise, and AdamW's first step, ~ lr * sign(g), turns their rounding noise into
     # steps of full size: 2.5e-4 apart. tests/bench_ranks.py measures these drifts.)
+    version = ["--optimizer-version", "v5"] if optimizer == "muon-v5" else []
     flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4", "--optimizer",
-                      optimizer, "--lr", "1e-3", "--num-minibatches", minibatches, "--entropy-coef", "0", "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
+                      optimizer.removesuffix("-v5"), *version, "--lr", "1e-3", "--num-minibatches", minibatches, "--entropy-coef", "0", "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
     single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
     double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
     env = dict(os.environ, OMP_NUM_THREADS="1")
