@@ -860,7 +860,7 @@ def adamw_row(lm_head, wte, value_embeds, resid, x0, smear=((0.8, 0.95), 0.0)):
     return dict(lm_head=lm_head, wte=wte, value_embeds=value_embeds, resid_lambdas=resid, x0_lambdas=x0, smear=smear)
 
 
-V1_ADAMW = adamw_row(*[((0.8, 0.95), "flag")] * 3, ((0.8, 0.95), 0.0), ((0.8, 0.95), 0.0))
+V1_ADAMW = adamw_row(*[((0.8, 0.95), "flag")] * 2, *[((0.8, 0.95), 0.0)] * 3)  # groups it lacked: as they began
 V2_ADAMW = adamw_row(*[((0.8, 0.95), 0.0)] * 5)
 V3_ADAMW = dict(V2_ADAMW, x0_lambdas=((0.96, 0.95), 0.0))
 V4_ADAMW = adamw_row(((0.8, 0.96), 0.01), ((0.8, 0.995), 0.001), ((0.8, 0.995), 0.01), ((0.8, 0.95), 0.05),
