@@ -840,7 +840,7 @@ def tokenizer_path(checkpoint_dir):
 
 
 # -----------------------------------------------------------------------------
-# Optimizers. Muon: momentum, then the update's orthogonalised direction (Newton-Schulz), for the block matrices
+# Optimizers
 
 # nanochat's optimizer, as its RL script of each generation builds it (five versions in 2025-2026). Muon for the
 # matrices inside the blocks: Nesterov momentum, then an orthogonalised update (U V^T of the momentum G = U S V^T,
@@ -925,12 +925,16 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:  # as torch's optimizers: no gradient, no step
                     continue
                 state = self.state[p]
-                buf = state.setdefault("momentum", torch.zeros_like(p))
+                dim = 1 if p.size(0) >= p.size(1) else 0  # NorMuon's moments: one per row (per column if wide)
+                if not state:
+                    state["momentum"] = torch.zeros_like(p)
+                    if version["normuon"] is not None:
+                        state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
+                buf = state["momentum"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = orthogonalise(p.grad.lerp(buf, group["momentum"]), version)  # Nesterov
                 if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
-                    dim = 1 if p.size(0) >= p.size(1) else 0
-                    second_moment = state.setdefault("second_moment", torch.zeros_like(update.mean(dim, True)))
+                    second_moment = state["second_moment"]
                     second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
                     scaled = update * second_moment.clamp(min=1e-10).rsqrt()
                     update = scaled * (update.norm() / scaled.norm().clamp(min=1e-10))

@@ -963,15 +963,13 @@ def writing():
     WRITES["depth"] += 1
     try:
         yield
-    except BaseException:
+    finally:  # after an error too, which then stops the run: the held signal would only hide it
         WRITES["depth"] -= 1
-        if not WRITES["depth"]:
-            WRITES["held"] = None  # the run stops on this error; the signal would only hide it
-        raise
-    WRITES["depth"] -= 1
-    if not WRITES["depth"] and WRITES["held"]:
-        name, WRITES["held"] = WRITES["held"], None
-        raise KeyboardInterrupt(name)
+        held = None if WRITES["depth"] else WRITES["held"]
+        if held:
+            WRITES["held"] = None
+    if held:
+        raise KeyboardInterrupt(held)
 
 
 def stop_signal(signum, frame):
