@@ -15,7 +15,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
     H_t       = entropy of pi_theta at the token's position (the full distribution)
-    loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens (token | sequence | constant)
+    loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
+                (nanochat | token | sequence | constant)
 The code reads top to bottom in the order a step runs; below the banner, the run's plumbing."""
 import argparse
 import copy
@@ -86,8 +87,12 @@ arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grp
     help="algorithm preset: sets the flags of this group that are not given")
 arg("--advantage", choices=["mean", "zscore", "rloo", "batch"],
     help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards")
-arg("--aggregation", choices=["token", "sequence", "constant"],
-    help="per-token losses averaged over all tokens; per reply, then over replies; / (replies x --max-new-tokens)")
+arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"],
+    help="per-token losses: nanochat's RL loss (a question's replies in passes of --pass-size, each pass's sum / its "
+    "tokens, the mean over passes and questions); averaged over all tokens; per reply, then over replies; "
+    "/ (replies x --max-new-tokens)")
+arg("--pass-size", type=count, help="--aggregation nanochat: replies per pass (nanochat's --device-batch-size, whose "
+    "default is 8); unlike --device-batch-size here, part of the objective")
 arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
 arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
@@ -174,8 +179,8 @@ arg("--compile", action=argparse.BooleanOptionalAction, default=None,
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
-    # nanochat's simplified REINFORCE: on-policy, r - mean(r), token-level mean, no ratio in effect, no KL
-    "reinforce": dict(advantage="mean", aggregation="token", ratio_level="token", ppo_epochs=1, num_minibatches=1,
+    # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
+    "reinforce": dict(advantage="mean", aggregation="nanochat", ratio_level="token", ppo_epochs=1, num_minibatches=1,
                       clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
                       drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
@@ -273,21 +278,39 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
     return torch.exp(log_ratio) - log_ratio - 1  # k3 (DeepSeekMath): unbiased, always >= 0
 
 
+def pass_normalisers(loss_mask, G, pass_size):
+    """nanochat's RL loss: a question's G replies are taken in passes (nanochat's device batch, here --pass-size),
+    each pass's summed loss is divided by the pass's tokens, and the passes are averaged. loss_mask [N, T] -> [N]: per row, its pass's
+    tokens x the question's passes / G, so that each reply's sum divided by this, averaged over all replies, is
+    that loss (when pass_size divides G: the mean reply length of the pass)."""
+    N = loss_mask.size(0)
+    passes = -(-G // pass_size)  # per question
+    row = torch.arange(N, device=loss_mask.device)
+    pass_of_row = row // G * passes + row % G // pass_size  # [N]
+    tokens = torch.zeros(N // G * passes, device=loss_mask.device).index_add_(0, pass_of_row, loss_mask.sum(dim=1))
+    return tokens.clamp(min=1)[pass_of_row] * (passes / G)  # an empty pass: nanochat's max(1, tokens), its loss is 0
+
+
 def aggregation_count(loss_mask, kind, max_new_tokens):
     """This rank's share of the aggregation's denominator; summed over ranks before use."""
     if kind == "token":
-        return loss_mask.sum()  # reply tokens (DAPO; what nanochat intends)
+        return loss_mask.sum()  # reply tokens (DAPO)
     if kind == "sequence":
         return (loss_mask.sum(dim=1) > 0).sum()  # replies with at least one token in the loss (GRPO paper)
+    if kind == "nanochat":
+        return torch.tensor(loss_mask.size(0), device=loss_mask.device)  # replies, an empty pass's too (nanochat)
     return torch.tensor(loss_mask.size(0) * max_new_tokens, device=loss_mask.device)  # a constant (Dr. GRPO)
 
 
 def aggregate(per_token, loss_mask, kind, denominator):
     """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of the batch mean. Summing the shares
-    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size."""
+    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size. denominator: the
+    count above summed over ranks; for nanochat's aggregation times each row's pass normaliser, [B, 1]."""
     summed = per_token * loss_mask
     if kind == "sequence":  # each reply's own token mean first
         summed = summed / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+    if kind == "nanochat":
+        return (summed / denominator).sum()
     return summed.sum() / denominator
 
 
@@ -413,8 +436,11 @@ def make_batch(prompts, samples, rewards, args):
     if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
         loss_mask *= (~samples["truncated"])[:, None]
     advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
-    return dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
-                sampler_logprobs=sampler_logprobs, equal_groups=equal)  # [P], logged
+    batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
+                 sampler_logprobs=sampler_logprobs, equal_groups=equal)  # [P], logged
+    if args.aggregation == "nanochat":
+        batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
+    return batch
 
 
 @torch.no_grad()
@@ -474,9 +500,11 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                                                              where=loss_mask[mb] > 0)
                 if not stats["stepped"]:
                     old_logprobs[mb] = logprobs.detach()
+                mb_denominator = (denominator * batch["pass_normalisers"][mb][:, None] if args.aggregation == "nanochat"
+                                  else denominator)
                 loss, parts = objective(logprobs, entropy, old_logprobs[mb],
                                         ref_logprobs[mb] if ref_model is not None else None,
-                                        batch["sampler_logprobs"][mb], advantages[mb], loss_mask[mb], denominator,
+                                        batch["sampler_logprobs"][mb], advantages[mb], loss_mask[mb], mb_denominator,
                                         args)
                 loss.backward()
                 minibatch_loss += loss.detach()
@@ -648,6 +676,8 @@ def resolve_config(argv=None):
         args.entropy_coef = DEMO_ENTROPY_COEF[args.advantage]
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.aggregation == "nanochat" and args.pass_size is None:
+        args.pass_size = 8  # nanochat's RL script's default device batch size
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
     if args.num_steps is None:
@@ -677,6 +707,8 @@ def check_config(args):
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.pass_size is not None and args.aggregation != "nanochat",
+         f"--pass-size sets the passes of --aggregation nanochat; --aggregation {args.aggregation} has none"),
         (not set(args.reward_weights) <= set(TASKS[args.task].reward_terms) or not all(
             map(math.isfinite, args.reward_weights.values())), f"--reward-weights: the {args.task} task's terms are "
          f"{', '.join(TASKS[args.task].reward_terms)}, each with a finite weight (got {args.reward_weights})"),
@@ -1255,9 +1287,10 @@ def resume(args, run):
     differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
     refused = [k for k in differing if k not in STEP_SIZES]
-    if refused:
+    if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
+        original = as_flags({k: run_config.get(k) for k in refused if k in vars(args)})
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
-                 "pass the original flags")
+                 f"pass the original flags{': ' + original if original else ''}")
     if not saved:  # the run stopped before its first save: starting over is what resuming would do
         run.log(f"note: --resume: {run.run_dir} has no complete checkpoint (the run stopped before its first save); "
                 "starting it over from step 0")

@@ -32,7 +32,7 @@ def test_one_bf16_step_of_every_preset(algo, tmp_path):
 def test_bf16_first_update_has_ratio_one_and_the_reinforce_gradient():
     reinforce = args_for("--algo", "reinforce")
     grpo_like = args_for("--algo", "grpo", "--ppo-epochs", "2", "--kl-coef", "0", "--advantage", "mean",
-                         "--aggregation", "token")
+                         "--aggregation", "nanochat")
     model, batch = sampled_batch(reinforce)
     grads = {}
     for name, args in (("reinforce", reinforce), ("grpo", grpo_like)):

@@ -63,22 +63,39 @@ def gradients(model, batch, args):
 # ---------------------------------------------------------------------------- the ladder of equivalences
 
 def test_grpo_path_with_one_epoch_no_kl_mean_advantage_is_reinforce():
-    reinforce = args_for("--algo", "reinforce")
+    # passes of 3 replies: a group of 8 is taken as 3 + 3 + 2, each pass divided by its own tokens (nanochat's loss)
+    reinforce = args_for("--algo", "reinforce", "--pass-size", "3")
     grpo_like = args_for("--algo", "grpo", "--ppo-epochs", "1", "--kl-coef", "0", "--advantage", "mean",
-                         "--aggregation", "token")
+                         "--aggregation", "nanochat", "--pass-size", "3")
     model, batch = sampled_batch(reinforce)
     (g_reinforce,), _ = gradients(model, batch, reinforce)
     (g_grpo,), stats = gradients(model, batch, grpo_like)
-    # and both equal a plain REINFORCE loss written out by hand: -sum(A * log pi) / number of reply tokens
+    # and both equal nanochat's RL loss written out by hand: per pass of replies of one question,
+    # -sum(A * log pi) / (the pass's reply tokens x the question's passes x the step's questions)
     logprobs = model.token_logprobs(batch["input_ids"], batch["target_ids"])
-    mask = batch["loss_mask"]
-    by_hand = -(batch["advantages"][:, None] * logprobs * mask).sum() / mask.sum()
+    mask, advantages, G = batch["loss_mask"], batch["advantages"][:, None], reinforce.num_samples
+    questions, by_hand = mask.size(0) // G, 0.0
+    for q in range(questions):
+        passes = [range(q * G + start, q * G + min(start + 3, G)) for start in range(0, G, 3)]
+        for rows in passes:
+            rows = list(rows)
+            by_hand = by_hand - (advantages[rows] * logprobs[rows] * mask[rows]).sum() / (
+                mask[rows].sum().clamp(min=1) * len(passes) * questions)
     g_hand = torch.autograd.grad(by_hand, list(model.parameters()))
     assert mask.sum() > 0 and batch["advantages"].abs().sum() > 0
+    assert len({mask[rows].sum().item() / len(rows) for rows in ([0, 1, 2], [3, 4, 5], [6, 7])}) > 1
     for a, b, c in zip(g_reinforce, g_grpo, g_hand):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
     assert stats["ratio_min"] == stats["ratio_max"] == 1.0 and stats["clip_frac"] is None  # one update: no reuse
+    # the passes are the objective's, not the micro-batches': another --device-batch-size, the same gradient
+    (g_micro,), _ = gradients(model, batch, args_for("--algo", "reinforce", "--pass-size", "3",
+                                                      "--device-batch-size", "5"))
+    for a, b in zip(g_reinforce, g_micro):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # the token mean over the whole batch (DAPO's) is another objective: other gradients
+    (g_token,), _ = gradients(model, batch, args_for("--algo", "reinforce", "--aggregation", "token"))
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(g_reinforce, g_token))
 
 
 def test_ratio_is_exactly_one_on_the_first_update_of_every_schedule():
@@ -401,12 +418,17 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
 def test_aggregations_by_hand_including_an_all_masked_reply():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    expected = {"token": (1 + 2 + 4) / 3, "sequence": ((1 + 2) / 2 + 4 / 1) / 2, "constant": (1 + 2 + 4) / (3 * 5)}
+    # nanochat: one question, 3 replies in passes of 2: rows 0-1 (3 tokens), row 2 (none: counts as 1 token, as there)
+    expected = {"token": (1 + 2 + 4) / 3, "sequence": ((1 + 2) / 2 + 4 / 1) / 2, "constant": (1 + 2 + 4) / (3 * 5),
+                "nanochat": ((1 + 2 + 4) / 3 + 0 / 1) / 2}
+    lengths = grpo.pass_normalisers(mask, G=3, pass_size=2)
+    assert lengths.tolist() == pytest.approx([2.0, 2.0, 2 / 3])  # a pass's tokens x 2 passes / 3 replies
     for kind, value in expected.items():
         denominator = grpo.aggregation_count(mask, kind, max_new_tokens=5).float()
-        assert grpo.aggregate(per_token, mask, kind, denominator).item() == pytest.approx(value)
+        rows = lambda s: denominator * lengths[s][:, None] if kind == "nanochat" else denominator
+        assert grpo.aggregate(per_token, mask, kind, rows(slice(0, 3))).item() == pytest.approx(value)
         # shares of micro-batches add up to the whole, whatever the split
-        parts = sum(grpo.aggregate(per_token[s], mask[s], kind, denominator) for s in (slice(0, 1), slice(1, 3)))
+        parts = sum(grpo.aggregate(per_token[s], mask[s], kind, rows(s)) for s in (slice(0, 1), slice(1, 3)))
         assert parts.item() == pytest.approx(value)
 
 
@@ -439,6 +461,7 @@ def test_presets_and_explicit_overrides():
 
 @pytest.mark.parametrize("flags,message", [
     (["--num-samples", "1"], "groups of at least 2"),
+    (["--algo", "grpo", "--pass-size", "4"], "--aggregation sequence has none"),
     (["--clip-eps", "0"], "clip-eps"),
     (["--kl-coef", "-0.1"], "kl-coef"),
     (["--ref-reset-every", "5", "--kl-coef", "0"], "--kl-coef > 0"),
@@ -516,7 +539,8 @@ def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
     assert exit_info.value.code == 2 and "already holds a run" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match=r"differ from the run.s \(aggregation, algo, ppo_epochs\)"):
+    with pytest.raises(SystemExit, match=r"differ from the run.s \(aggregation, algo, pass_size, ppo_epochs\): pass "
+                       r"the original flags: --aggregation nanochat --algo reinforce --pass-size 8 --ppo-epochs 1$"):
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--algo", "dr_grpo", "--resume"))
     # evaluation flags may change: they never move the weights
     result = grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--resume", "--eval-only", "--final-eval-examples", "5"))

@@ -5,6 +5,7 @@ Every shape, setting and batch is read from the fixture files.
 """
 import glob
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -17,29 +18,41 @@ STEPS = sorted(glob.glob(os.path.join(FIXTURES, "*", "chat_rl_steps.pt")))
 
 
 def fixture_flags(fixture):
+    """The fixture's chat_rl settings as the project's own flags, with --algo reinforce (nanochat's RL step)."""
     args = fixture["chat_rl_args"]
-    return ["--init", "x", "--optimizer", "muon", "--embedding-lr", str(args["embedding_lr"]), "--unembedding-lr",
-            str(args["unembedding_lr"]), "--matrix-lr", str(args["matrix_lr"]), "--weight-decay",
+    return ["--algo", "reinforce", "--init", "x", "--optimizer", "muon", "--embedding-lr", str(args["embedding_lr"]),
+            "--unembedding-lr", str(args["unembedding_lr"]), "--matrix-lr", str(args["matrix_lr"]), "--weight-decay",
             str(args["weight_decay"]), "--init-lr-frac", str(args["init_lr_frac"]), "--num-steps",
-            str(fixture["num_steps"]), "--device-batch-size", str(fixture["B"])]
+            str(fixture["num_steps"]), "--device-batch-size", str(args["device_batch_size"]), "--pass-size",
+            str(args["device_batch_size"]), "--prompts-per-step",
+            str(args["examples_per_step"]), "--num-samples", str(args["num_samples"])]
 
 
-def nanochat_step(model, optimizers, step, fixture, args):
-    """One step of nanochat's RL script: its loss over passes of B sequences, then one optimizer step."""
-    grpo.set_learning_rates(optimizers, step["index"], args)
-    model.train()
+def fixture_batch(step, args):
+    """The fixture's examples as the sampler would have handed them over: per question a prompt and G replies
+    (every reply token sampled), and the rewards; then the project's own make_batch."""
+    prompts, replies, rewards = [], [], []
     for example in step["examples"]:
-        passes = fixture["S"] // fixture["B"]
-        for start in range(0, fixture["S"], fixture["B"]):
-            inputs = example["inputs"][start:start + fixture["B"]]
-            targets = example["targets"][start:start + fixture["B"]]
-            valid = targets >= 0
-            logp = model.token_logprobs(inputs, targets.clamp(min=0)) * valid
-            loss = -(logp * example["advantages"][start:start + fixture["B"], None]).sum() / (
-                valid.sum().clamp(min=1) * passes * fixture["E"])
-            loss.backward()
-    stats = grpo.update_stats(torch.device("cpu"))
-    grpo.optimizer_step(model, optimizers, stats, 0.0)
+        P = example["prompt_len"]
+        prompts.append(example["inputs"][0, :P].tolist())
+        for row, length in enumerate(example["completion_lens"]):  # the reply is the targets after the prompt
+            replies.append(example["targets"][row, P - 1:P - 1 + length].tolist())
+        rewards.append(example["rewards"])
+    width = max(len(r) for r in replies)
+    samples = dict(tokens=torch.tensor([r + [0] * (width - len(r)) for r in replies]),
+                   mask=torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies]),
+                   logprobs=torch.zeros(len(replies), width), lengths=torch.tensor([len(r) for r in replies]),
+                   truncated=torch.zeros(len(replies), dtype=torch.bool))
+    batch = grpo.make_batch(prompts, samples, torch.stack(rewards), args)
+    expected = torch.cat([example["advantages"] for example in step["examples"]])
+    torch.testing.assert_close(batch["advantages"], expected, rtol=0, atol=1e-7)  # r - mean(r), as nanochat's
+    return batch
+
+
+def learning_rates(model, optimizers):
+    """{parameter name: its group's lr} of the project's optimizers"""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: group["lr"] for opt in optimizers for group in opt.param_groups for p in group["params"]}
 
 
 def misses(name, ours, theirs, start, padded_rows):
@@ -53,6 +66,8 @@ def misses(name, ours, theirs, start, padded_rows):
 
 
 def run_fixture(path, version=None):
+    """Drive the fixture's steps through a run's own step: learning rates, make_batch, policy_update (loss,
+    gradients, optimizer). -> per stored state {name: (elements beyond the bound, relative distance)}"""
     fixture = torch.load(path, weights_only=True)
     model, _ = load_checkpoint(os.path.join(os.path.dirname(path), fixture["checkpoint_dir"]),
                                fixture["checkpoint_step"], generation=fixture["generation"], log=lambda line: None)
@@ -61,10 +76,17 @@ def run_fixture(path, version=None):
     args = grpo.resolve_config(flags)
     optimizers = grpo.make_optimizers(model, args)
     results = []
-    for index, (step, state) in enumerate(zip(fixture["steps"], fixture["states"])):
-        nanochat_step(model, optimizers, dict(step, index=index), fixture, args)
-        ours = model.state_dict()
-        results.append({k: misses(k, ours[k], state[k].float(), start[k], fixture["padded_rows"]) for k in state})
+    for index, step in enumerate(fixture["steps"]):
+        grpo.set_learning_rates(optimizers, index, args)
+        if version is None:  # nanochat's groups and learning rates, parameter by parameter
+            theirs = {name: lr for group, lr in zip(fixture["param_groups"], step["group_lrs"])
+                      for name in group["params"]}
+            assert learning_rates(model, optimizers) == pytest.approx(theirs, rel=1e-6)
+        grpo.policy_update(model, optimizers, fixture_batch(step, args), args, nullcontext())
+        if index + 1 in fixture["state_steps"]:
+            state, ours = fixture["states"][fixture["state_steps"].index(index + 1)], model.state_dict()
+            results.append({k: misses(k, ours[k], state[k].float(), start[k], fixture["padded_rows"])
+                            for k in state})
     return results
 
 
