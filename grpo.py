@@ -177,6 +177,9 @@ arg("--device-batch-size", type=count, default=8, help="rows per forward/backwar
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
     help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
+arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
+    help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
+    "others get the new weights from it (default: on with several processes)")
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -464,8 +467,9 @@ def split_minibatches(N, device, args):
             for j in range(args.num_minibatches)]
 
 
-def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
-    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds)."""
+def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None):
+    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
+    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight."""
     loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
     minibatches = split_minibatches(loss_mask.size(0), loss_mask.device, args)
     micro_batches = [mb for minibatch in minibatches for mb in minibatch]
@@ -510,12 +514,12 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None):
                 minibatch_loss += loss.detach()
                 add_micro_batch_stats(stats, loss, parts, loss_mask[mb])
             # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
-            all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
+            reduce_gradients([p for p in model.parameters() if p.requires_grad], owners)
             if not torch.isfinite(all_reduce(minibatch_loss.clone())):
                 stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
                 model.zero_grad(set_to_none=True)
                 continue
-            optimizer_step(model, optimizers, stats, args.grad_clip)
+            optimizer_step(model, optimizers, stats, args.grad_clip, owners)
             model.zero_grad(set_to_none=True)
             stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
     return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
@@ -554,7 +558,7 @@ def train(args, run):
         batch = make_batch(groups["prompts"], groups["samples"], groups["rewards"], args)
         batch = {k: v.to(run.device) for k, v in batch.items()}
         update_start = time.time()
-        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model)
+        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners)
 
         # 6. Log, check, evaluate, save.
         times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
@@ -686,6 +690,8 @@ def resolve_config(argv=None):
         args.reward_weights = {TASKS[args.task].reward_terms[0]: 1.0}
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
+    if args.shard_optimizer is None:
+        args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -806,6 +812,10 @@ def start_run(args, run_dir, rank, writes):
         args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
         log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version} (docs/optimizers.md)")
     optimizers = make_optimizers(model, args)
+    owners = None
+    if args.shard_optimizer and world_size > 1:
+        owners = shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
+        log(f"optimizer state sharded over the {world_size} ranks, each weight's on one (--no-shard-optimizer: on all)")
     if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
         parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
     if args.kl_coef == 0:
@@ -824,7 +834,8 @@ def start_run(args, run_dir, rank, writes):
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
-                          ref_model=ref_model, optimizers=optimizers, config=config, run_dir=run_dir, tag=tag,
+                          ref_model=ref_model, optimizers=optimizers, owners=owners, config=config,
+                          run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
                           metrics_path=os.path.join(run_dir, "metrics.jsonl"),
                           samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
@@ -1194,6 +1205,9 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "overlong_penalty": sums["overlong_penalty"] / sums["replies"],
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
                "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens"] / times["time_sample"],
+               "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
+                                                             dtype=torch.float64, device=run.device),
+                                                dist.ReduceOp.MAX).item(),  # the largest rank's
                "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
                                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                "wall_time": time.time() - run.wall_start}
@@ -1222,9 +1236,11 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     last = step + 1 == args.num_steps
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
         run_eval(args, run, step + 1, args.final_eval_examples if last else args.eval_examples)
-    if run.master and not run.bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-        save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, run.optimizers, run.config,
-                            args.keep_states)
+    if not run.bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+        optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
+        if run.master:
+            save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
+                                run.config, args.keep_states)
 
 
 def complete_steps(checkpoint_dir):
@@ -1234,11 +1250,11 @@ def complete_steps(checkpoint_dir):
         for kind, ext in (("meta", "json"), ("state", "pt")))]
 
 
-def save_training_state(run_dir, tag, step, model, ref_model, optimizers, config, keep_states):
+def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, config, keep_states):
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
         # the resume state first, the model after: a step counts as saved once its model file exists
-        atomic_save({"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+        atomic_save({"step": step, "optimizers": optimizer_states,
                      "master_weights": master_weights(model),
                      "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
                     os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
@@ -1257,6 +1273,8 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
                   "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
+# ...and how the work is spread: the same steps up to float rounding (another summation order)
+SPREAD = ("world_size", "shard_optimizer")
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
           "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
@@ -1286,7 +1304,7 @@ def resume(args, run):
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
     differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
-    refused = [k for k in differing if k not in STEP_SIZES]
+    refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
     if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
         original = as_flags({k: run_config.get(k) for k in refused if k in vars(args)})
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
@@ -1311,7 +1329,7 @@ def resume(args, run):
     try:
         saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
         run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)  # LoRA: merged, see below
-        state = load_tensors(state_path, run.device)
+        state = load_tensors(state_path)  # on the CPU: each optimizer moves the state it keeps to its weights
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
             raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
@@ -1321,6 +1339,10 @@ def resume(args, run):
             raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has "
                              f"{len(run.optimizers)}")
         for opt, opt_state in zip(run.optimizers, state["optimizers"]):
+            if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
+                params = [p for group in opt.param_groups for p in group["params"]]
+                opt_state["state"] = {i: entry for i, entry in opt_state["state"].items()
+                                      if run.owners[id(params[i])] == run.rank}
             opt.load_state_dict(opt_state)
         if run.ref_model not in (None, run.model):
             run.ref_model.load_state_dict(state["ref_model"])
@@ -1372,14 +1394,23 @@ def update_stats(device):
 
 
 @torch.no_grad()
-def optimizer_step(model, optimizers, stats, grad_clip):
+def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
     update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
     The optimizers step one weight at a time (the others' gradients set aside: torch's optimizers and Muon skip a
     weight without one), so that the copy the measurement needs is of one tensor, never of a whole optimizer's
-    share of the model (for nanochat's d20, gigabytes of embeddings)."""
-    # max_norm inf: the norm is still measured, and the gradients are scaled by exactly 1
-    stats["grad_norm"] += torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    share of the model (for nanochat's d20, gigabytes of embeddings). With a sharded optimizer (owners) a rank holds
+    the gradients of its own weights only: it steps those, the sums are over ranks, and every weight then comes
+    from its owner."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    squares = torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).double().square().sum() if params \
+        else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
+    grad_norm = (all_reduce(squares) if owners else squares).sqrt()
+    if grad_clip:  # as torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+        scale = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0).float()
+        for p in params:
+            p.grad.mul_(scale)
+    stats["grad_norm"] += grad_norm
     squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
@@ -1391,6 +1422,9 @@ def optimizer_step(model, optimizers, stats, grad_clip):
             opt.step()
             p.grad = None
             squares += torch.stack([(p - before).norm(), before.norm(), p.norm()]).double() ** 2
+    if owners:
+        all_reduce(squares)
+        broadcast_weights([p for p in model.parameters() if p.requires_grad], owners)
     update, before, after = squares.sqrt()
     stats["steps"] += 1
     stats["update_ratio"] += update / before
@@ -1446,6 +1480,12 @@ def finish_update_stats(stats, args, with_kl):
         "empty_updates": stats["empty_updates"],
         "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
     }
+
+
+def optimizer_state_bytes(optimizers):
+    """The bytes of this rank's optimizer state (momenta, second moments)."""
+    return sum(v.numel() * v.element_size() for opt in optimizers for entry in opt.state.values()
+               for v in entry.values() if torch.is_tensor(v))
 
 
 def weights_are_finite(model):
@@ -1566,23 +1606,96 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
     return tensor
 
 
-def all_reduce_gradients(params, bucket_bytes=64 * 2 ** 20):
-    """Sum the gradients over ranks in a few large flat buckets: one collective per bucket rather than one per
-    tensor (a 20-layer model has over a hundred), each element summed exactly as a per-tensor reduce sums it."""
+def buckets(tensors, bucket_bytes=64 * 2 ** 20):
+    """tensors in runs of about bucket_bytes: one collective per run rather than one per tensor (a 20-layer model has
+    over a hundred), each element reduced exactly as a per-tensor collective reduces it."""
+    run, size = [], 0
+    for t in tensors:
+        run.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
+
+
+def reduce_gradients(params, owners=None, bucket_bytes=64 * 2 ** 20):
+    """Sum the gradients over ranks: onto every rank, or with a sharded optimizer onto each weight's owner only
+    (the other ranks then drop theirs)."""
     if not dist.is_initialized():
         return
-    buckets, size = [[]], 0
+    rank = dist.get_rank()
+    for owner in range(dist.get_world_size()) if owners else [None]:
+        for grads in buckets([p.grad for p in params if owners is None or owners[id(p)] == owner], bucket_bytes):
+            flat = torch.cat([g.flatten() for g in grads])
+            if owner is None:
+                dist.all_reduce(flat)
+            else:
+                dist.reduce(flat, dst=owner)
+            if owner in (None, rank):
+                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(reduced.view_as(g))
     for p in params:
-        if size >= bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p.grad)
-        size += p.grad.numel() * p.grad.element_size()
-    for grads in buckets:
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
+        if owners and owners[id(p)] != rank:
+            p.grad = None
+
+
+def broadcast_weights(params, owners, bucket_bytes=64 * 2 ** 20):
+    """Every weight from the rank that stepped it (sharded optimizer) to all the others."""
+    for owner in range(dist.get_world_size()):
+        for weights in buckets([p.detach() for p in params if owners[id(p)] == owner], bucket_bytes):
+            flat = torch.cat([w.flatten() for w in weights])
+            dist.broadcast(flat, src=owner)
+            for w, new in zip(weights, flat.split([w.numel() for w in weights])):
+                w.copy_(new.view_as(w))
+
+
+def shard_owners(params, world_size):
+    """A sharded optimizer's plan: each trainable weight's owner rank. Whole tensors (Muon orthogonalises a matrix
+    whole), the largest first, each to the rank that holds the fewest elements so far. -> {id(param): rank}"""
+    load, owners = [0] * world_size, {}
+    for p in sorted(params, key=lambda p: -p.numel()):  # a stable sort: equal sizes keep the model's order
+        owner = load.index(min(load))
+        owners[id(p)] = owner
+        load[owner] += p.numel()
+    return owners
+
+
+def gathered_optimizer_states(optimizers, owners):
+    """-> every optimizer's whole state_dict on rank 0 (None on the others). With a sharded optimizer each weight's
+    state comes from its owner, tensor by tensor, to rank 0's CPU memory: never all of it on one GPU at once."""
+    states = [opt.state_dict() for opt in optimizers]
+    if not owners:
+        return states
+    rank = dist.get_rank()
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    for opt, state in zip(optimizers, states):
+        for index, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+            owner = owners[id(p)]
+            if owner == 0 or rank not in (0, owner):
+                continue
+            if rank == owner:
+                entry = state["state"].get(index, {})
+                # first what the entry holds (names, and each tensor's shape and dtype), then its tensors
+                dist.send_object_list([{k: ("tensor", v.shape, v.dtype) if torch.is_tensor(v) else v
+                                        for k, v in entry.items()}], dst=0)
+                for v in entry.values():
+                    if torch.is_tensor(v):
+                        dist.send(v.to(wire).contiguous(), dst=0)
+            else:
+                described = [None]
+                dist.recv_object_list(described, src=owner)
+                entry = {}
+                for k, v in described[0].items():
+                    if isinstance(v, tuple) and v[0] == "tensor":
+                        received = torch.empty(v[1], dtype=v[2], device=wire)
+                        dist.recv(received, src=owner)
+                        v = received.cpu()
+                    entry[k] = v
+                if entry:
+                    state["state"][index] = entry
+    return states if rank == 0 else None
 
 
 def leave_process_group():

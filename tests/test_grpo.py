@@ -2,6 +2,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import grpo
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
+from test_generations import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = Tokenizer.byte_level()
@@ -569,54 +571,111 @@ def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, 
     assert [m["skipped_updates"] for m in metrics] == [0, 0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("optimizer,minibatches,port", [("muon", "1", "29533"), ("adamw", "2", "29534"),
-                                                        ("muon-v5", "1", "29535")])
-def test_ddp_step_equals_single_process_step(tmp_path, optimizer, minibatches, port):
-    # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers.
-    # Two minibatches: each rank's share of a minibatch must be its share of the single process's minibatch. (Not
-    # with Muon: its Newton-Schulz iteration amplifies the float32 summation-order noise of the first step's
-    # gradient to ~1e-5 in the second step's weights. Nor with the demo's entropy bonus: its gradient reaches embedding
-    # rows that barely get any otherwise, and AdamW's first step, ~ lr * sign(g), turns their rounding noise into
-    # steps of full size: 2.5e-4 apart. tests/bench_ranks.py measures these drifts.)
-    version = ["--optimizer-version", "v5"] if optimizer == "muon-v5" else []
-    flags = run_flags(tmp_path, "x", "--num-steps", "1", "--algo", "grpo", "--device-batch-size", "4", "--optimizer",
-                      optimizer.removesuffix("-v5"), *version, "--lr", "1e-3", "--num-minibatches", minibatches, "--entropy-coef", "0", "--eval-every", "1", "--eval-examples", "7", "--final-eval-examples", "7", "--pass-k", "2")
-    single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
-    double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank runs: one thread, the same float32 summation order as a rank's
-    try:
-        grpo.main(single)  # in this process: a second interpreter would only add its start-up time
-    finally:
-        torch.set_num_threads(threads)
-    # the two ranks as torchrun starts them (its environment variables), without torchrun's own interpreter:
-    # test_faults_launch.py runs jobs through torchrun itself
-    logs = [tmp_path / f"rank{r}.txt" for r in range(2)]
-    ranks = [subprocess.Popen([sys.executable, "grpo.py", *double], cwd=ROOT, stdout=open(logs[r], "w"),
-                              stderr=subprocess.STDOUT,
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+SMEAR_BACKOUT = os.path.join(FIXTURES, "smear-backout", "base", "chatsft_checkpoints", "d4")
+
+
+def launch_ranks(flags, logs, port, world_size=2):
+    """The ranks as torchrun starts them (its environment variables), without torchrun's own interpreter:
+    test_faults_launch.py runs jobs through torchrun itself."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    ranks = [subprocess.Popen([sys.executable, "grpo.py", *flags], cwd=ROOT, stdout=open(logs[r], "w"),
+                              stderr=subprocess.STDOUT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(world_size)]
     try:
         for rank, log in zip(ranks, logs):
             assert rank.wait(timeout=300) == 0, log.read_text()
     finally:  # a rank that failed leaves the other waiting for it
         for rank in ranks:
             rank.kill()
-    a, b = final_state(tmp_path, "single", 1), final_state(tmp_path, "ddp", 1)
-    start = GPT(GPTConfig(**json.load(open(tmp_path / "single" / "chatrl_checkpoints" / "d2" / "meta_000001.json"))["model_config"]))
-    start.init_weights(0)
+
+
+def in_this_process(flags):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs: one thread, the same float32 summation order as a rank's
+    try:
+        return grpo.main(flags)  # in this process: a second interpreter would only add its start-up time
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("setting,port", [("muon", "29533"), ("adamw-2-minibatches", "29534"), ("muon-v5", "29535"),
+                                          ("muon-not-sharded", "29536"), ("lora", "29537")])
+def test_ddp_steps_equal_single_process_steps(tmp_path, setting, port):
+    # evals on 7 problems: the ranks split them unevenly, and their sums must still give the single-process numbers.
+    # Two minibatches: each rank's share of a minibatch must be its share of the single process's minibatch. (Not
+    # with Muon: its Newton-Schulz iteration amplifies the float32 summation-order noise of the first step's
+    # gradient to ~1e-5 in the second step's weights. Nor with the demo's entropy bonus: its gradient reaches embedding
+    # rows that barely get any otherwise, and AdamW's first step, ~ lr * sign(g), turns their rounding noise into
+    # steps of full size: 2.5e-4 apart. tests/bench_ranks.py measures these drifts.)
+    extra = ["--entropy-coef", "0"] * (setting != "lora") + {"muon": [], "adamw-2-minibatches": ["--optimizer", "adamw", "--num-minibatches", "2"],
+             "muon-v5": ["--optimizer-version", "v5"], "muon-not-sharded": ["--no-shard-optimizer"],
+             # the random fixture model never sorts: all rewards equal, the entropy bonus is what moves the adapters
+             "lora": ["--init", SMEAR_BACKOUT, "--lora-rank", "4", "--lora-lr", "1e-2", "--entropy-coef", "0.01"]
+             }[setting]
+    if setting == "lora" and not os.path.isdir(SMEAR_BACKOUT):
+        pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
+    steps = 1 if setting.startswith("muon") else 3  # see above: Muon's steps after the first amplify rounding
+    flags = run_flags(tmp_path, "x", "--num-steps", str(steps), "--algo", "grpo", "--device-batch-size", "4",
+                      "--lr", "1e-3", "--eval-every", str(steps), "--eval-examples", "7",
+                      "--final-eval-examples", "7", "--pass-k", "2", *extra)
+    single = flags[:flags.index("--run-name") + 1] + ["single"] + flags[flags.index("--run-name") + 2:]
+    double = flags[:flags.index("--run-name") + 1] + ["ddp"] + flags[flags.index("--run-name") + 2:]
+    in_this_process(single)
+    launch_ranks(double, [tmp_path / f"rank{r}.txt" for r in range(2)], port)
+    tag = "d4" if setting == "lora" else "d2"
+    a, b = (load_checkpoint(str(tmp_path / name / "chatrl_checkpoints" / tag), steps)[0].state_dict()
+            for name in ("single", "ddp"))
+    start = (load_checkpoint(SMEAR_BACKOUT)[0] if setting == "lora" else GPT(GPTConfig(**json.load(open(
+        tmp_path / "single" / "chatrl_checkpoints" / tag / f"meta_{steps:06d}.json"))["model_config"])).init_weights(0))
     moved = 0
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
         moved += not torch.equal(a[k], start.state_dict()[k])
-    assert moved > 0  # the step really changed the weights
+    assert moved > 0  # the steps really changed the weights
     logs = [[json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("single", "ddp")]
-    train = [next(m for m in log if "reward" in m) for log in logs]
-    assert train[0]["reward"] == train[1]["reward"] and train[0]["loss"] == pytest.approx(train[1]["loss"], abs=1e-6)
+    train = [[m for m in log if "reward" in m] for log in logs]
+    for one, two in zip(*train):
+        assert one["reward"] == two["reward"] and one["loss"] == pytest.approx(two["loss"], abs=1e-6)
+    # each rank holds about half of the optimizer state, or all of it without sharding
+    state = [train[0][-1]["optimizer_state_mb"], train[1][-1]["optimizer_state_mb"]]
+    assert state[1] == state[0] if setting == "muon-not-sharded" else 0.4 * state[0] < state[1] <= 0.6 * state[0]
     evals = [[m for m in log if "eval_reward" in m] for log in logs]
-    assert [m["step"] for m in evals[1]] == [0, 1] and all(m["eval_examples"] == 7 for m in evals[1])
+    assert [m["step"] for m in evals[1]] == [0, steps] and all(m["eval_examples"] == 7 for m in evals[1])
     assert len(evals[0]) == 2 and all(a == pytest.approx(b) for a, b in zip(*evals))
+
+
+def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(tmp_path, capsys):
+    # the training state holds the whole optimizer state, gathered from its owners: any number of ranks resumes
+    # from it, each keeping its own share. 2 -> 2 is exact; 2 -> 1 and 1 -> 2 go on within the rank tests' tolerance.
+    def flags(name, *extra):
+        return run_flags(tmp_path, name, "--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer",
+                         "adamw", "--lr", "1e-3", "--entropy-coef", "0", "--device-batch-size", "4", *extra)
+
+    in_this_process(flags("single"))
+    launch_ranks(flags("ddp"), [tmp_path / f"ddp{r}.txt" for r in range(2)], "29538")
+    straight = {name: final_state(tmp_path, name, 4) for name in ("single", "ddp")}
+    for source, ranks, name, port in (("ddp", 2, "ddp-on-2", "29539"), ("ddp", 1, "ddp-on-1", None),
+                                      ("single", 2, "single-on-2", "29540")):
+        shutil.copytree(tmp_path / source, tmp_path / name)
+        for path in (tmp_path / name / "chatrl_checkpoints" / "d2").glob("*_000004.*"):
+            path.unlink()  # as if the run had stopped after its step-2 checkpoint
+        capsys.readouterr()
+        if ranks == 2:
+            launch_ranks(flags(name, "--resume"), [tmp_path / f"{name}{r}.txt" for r in range(2)], port)
+            log = (tmp_path / f"{name}0.txt").read_text()
+        else:
+            in_this_process(flags(name, "--resume"))
+            log = capsys.readouterr().out
+        assert "resumed from step 2" in log
+        assert ("world_size 2 -> 1" in log) == (name == "ddp-on-1") and ("world_size 1 -> 2" in log) == (
+            name == "single-on-2")
+        resumed = final_state(tmp_path, name, 4)
+        for k, v in straight[source].items():
+            if name == "ddp-on-2":
+                assert torch.equal(resumed[k], v), k
+            else:
+                torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
@@ -631,14 +690,28 @@ def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
         return tensor.mul_(2)
 
     monkeypatch.setattr(grpo.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(grpo.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(grpo.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(grpo.dist, "all_reduce", two_equal_ranks)
-    grpo.all_reduce_gradients(params, bucket_bytes=4 * 3000)  # 3,000 floats a bucket: several buckets
+    grpo.reduce_gradients(params, bucket_bytes=4 * 3000)  # 3,000 floats a bucket: several buckets
     assert 1 < len(sizes) < len(params) and sum(sizes) == sum(p.numel() for p in params)
     for p, g in zip(params, single):
         assert torch.equal(p.grad, 2 * g)
     sizes.clear()
-    grpo.all_reduce_gradients(params)
+    grpo.reduce_gradients(params)
     assert len(sizes) == 1  # the default bucket holds this whole model
+    # sharded: each weight's gradient is summed onto its owner only; rank 0 keeps its own and drops the rest
+    for p, g in zip(params, single):
+        p.grad = g.clone()
+    destinations = []
+    monkeypatch.setattr(grpo.dist, "reduce", lambda tensor, dst: destinations.append(dst) or tensor.mul_(2))
+    owners = grpo.shard_owners(params, 2)
+    grpo.reduce_gradients(params, owners)
+    assert destinations == [0, 1]  # one bucket per owner
+    for p, g in zip(params, single):
+        assert torch.equal(p.grad, 2 * g) if owners[id(p)] == 0 else p.grad is None
+    load = [sum(p.numel() for p in params if owners[id(p)] == r) for r in (0, 1)]
+    assert max(load) <= 0.6 * sum(load) and 0 < min(load)
 
 
 def test_demo_learns_from_random_weights(tmp_path, capsys):
