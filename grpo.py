@@ -119,6 +119,8 @@ arg("--num-samples", type=int, default=16, help="replies per question (the group
 arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
 arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
+arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
+    "memory only, the same replies (default: the rank's whole step at once)")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
@@ -370,9 +372,14 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     G = args.num_samples
     conversations = [task[i] for i in indices]
     prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    # --sample-batch-size: questions a generate call, whole groups (their prompt is prefilled once). Each question's
+    # noise comes from its own seed, so how they are split changes nothing but memory.
+    per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
-        samples = generate(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature, args.top_k, seed=seeds,
-                           tool=task.tool)
+        parts = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
+                          args.top_k, seed=seeds[i:i + per_call], tool=task.tool)
+                 for i in range(0, len(prompts), per_call)]
+    samples = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
         task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
         for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
@@ -621,10 +628,11 @@ def out_of_memory(args, world_size, trace):
     phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
     rows = args.prompts_per_step // world_size * args.num_samples
     if phase == "sample_groups":
-        return (f"out of GPU memory while sampling: {rows} replies of up to {args.max_new_tokens} new tokens in one "
-                f"batch (--prompts-per-step {args.prompts_per_step} / {world_size} ranks x --num-samples "
-                f"{args.num_samples}), their KV cache and logits", "lower --prompts-per-step, --num-samples or "
-                "--max-new-tokens (or use more GPUs)")
+        per_call = min(rows, max(args.num_samples, args.sample_batch_size or rows))
+        return (f"out of GPU memory while sampling: {per_call} replies of up to {args.max_new_tokens} new tokens a "
+                f"generate call (--sample-batch-size; this rank's step: {rows} replies), their KV cache and logits",
+                f"lower --sample-batch-size (the same replies, in more calls; at least one group, --num-samples "
+                f"{args.num_samples}), or --max-new-tokens")
     if phase in ("frozen_logprobs", "policy_update"):
         what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
         return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "

@@ -525,7 +525,7 @@ def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):
     assert grpo.resolve_config([]).task == "gsm8k"
 
 
-@pytest.mark.parametrize("phase,flag", [("sampling", "--num-samples"), ("log-probs", "--device-batch-size"),
+@pytest.mark.parametrize("phase,flag", [("sampling", "--sample-batch-size"), ("log-probs", "--device-batch-size"),
                                         ("update", "--device-batch-size"), ("eval", "--eval-max-new-tokens")])
 def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(phase, flag, tmp_path, monkeypatch):
     # torch.OutOfMemoryError raised where a GPU would raise it in each phase, in step 2, after step 1 was saved

@@ -895,3 +895,18 @@ def test_a_compiled_update_gives_the_eager_loss_and_gradients():
     for eager, compiled in zip(results[False][1], results[True][1]):  # every optimizer step's gradients
         for a, b in zip(eager, compiled):  # measured: 1e-6 apart in norm, 7e-8 at most
             assert (b - a).norm() <= 1e-5 * a.norm()
+
+
+def test_sampling_in_chunks_of_whole_groups_gives_the_same_replies():
+    args = args_for("--algo", "reinforce")
+    model, _ = sampled_batch(args)
+    G, questions, seeds = args.num_samples, [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
+    whole = grpo.sample_groups(model, TOK, Sort("train"), questions, seeds, args, NO_AUTOCAST)
+    assert len({tuple(row) for row in whole["samples"]["tokens"].tolist()}) > G  # replies differ
+    for rows in (1, G, 2 * G + 1, 3 * G):  # one question a call (also below one group), two, three then two
+        chunked = grpo.sample_groups(model, TOK, Sort("train"), questions, seeds,
+                                     args_for("--algo", "reinforce", "--sample-batch-size", str(rows)), NO_AUTOCAST)
+        for k, v in whole["samples"].items():  # the log-probs up to rounding: other batch shapes
+            assert torch.equal(chunked["samples"][k], v) if k != "logprobs" else torch.allclose(
+                chunked["samples"][k], v, rtol=1e-5, atol=1e-6), (rows, k)
+        assert torch.equal(chunked["rewards"], whole["rewards"])
