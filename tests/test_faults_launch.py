@@ -245,6 +245,39 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
                 pass
 
 
+def test_two_nodes_of_one_process_each_take_the_steps_of_one_process(tmp_path):
+    # two torchrun launchers, as on two machines, meeting at a c10d rendezvous (here on this machine): global ranks
+    # from the rendezvous, local rank 0 on each, one shared run folder that global rank 0 writes
+    argv = flags(tmp_path, "--num-steps", "3", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
+                 "--entropy-coef", "0", "--device-batch-size", "4", name="nodes")
+    single = flags(tmp_path, "--num-steps", "3", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
+                   "--entropy-coef", "0", "--device-batch-size", "4", name="single")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [tmp_path / f"node{n}.txt" for n in range(2)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29572", "--rdzv-id=nodes",
+                               "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+             for log in logs]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grpo.main(single)  # meanwhile, the same run in this process
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        for node, log in zip(nodes, logs):
+            assert node.wait(timeout=300) == 0, log.read_text()
+    finally:
+        for node in nodes:
+            node.kill()
+    assert sum("optimizer state sharded over the 2 ranks" in log.read_text() for log in logs) == 1  # rank 0's log
+    a, b = (final_weights(tmp_path / "runs" / name, 3) for name in ("single", "nodes"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    rewards = [[m["reward"] for m in train_lines(tmp_path / "runs" / name)] for name in ("single", "nodes")]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 3
+
+
 # ---------------------------------------------------------------------------- inputs that changed under a run
 
 def gsm8k_folder(path, rows):
