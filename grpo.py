@@ -103,6 +103,8 @@ arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no re
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
 arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
     help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
+arg("--ref-offload", action="store_true",
+    help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
@@ -120,7 +122,7 @@ arg("--max-new-tokens", type=count, default=256, help="reply length limit in tra
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
 arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
 arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
-    "memory only, the same replies (default: the rank's whole step at once)")
+    "memory only, the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
@@ -489,7 +491,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
                     else torch.zeros_like(loss_mask))  # [N, T]
     ref_logprobs = None
     if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
-        with ref_model.lora_disabled():
+        with ref_model.lora_disabled(), on_device(ref_model, loss_mask.device) if args.ref_offload else nullcontext():
             ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast)
     time_logprobs = time.time() - start
 
@@ -766,6 +768,8 @@ def check_config(args):
         (args.lora_rank and args.ref_dtype is not None, "--ref-dtype sets the dtype of a reference copy; with "
          "--lora-rank the reference is the base model itself (adapters off), there is no copy"),
         (args.lora_rank and not args.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (args.ref_offload and (args.kl_coef == 0 or args.lora_rank), "--ref-offload moves the reference copy: there is "
+         "none without --kl-coef > 0, and with --lora-rank the reference is the model itself"),
         (args.init == "scratch" and (args.generation or args.window_pattern) is not None,
          "--generation and --window-pattern describe a nanochat checkpoint; --init scratch builds a new classic GPT"),
         (args.window_pattern is not None and not re.fullmatch(r"[SL]+", args.window_pattern),
@@ -776,6 +780,141 @@ def check_config(args):
     for bad, message in problems:
         if bad:
             parser.error(message)
+
+
+# -----------------------------------------------------------------------------
+# The memory plan: what each rank will hold, from the model's shapes alone (a model on the meta device), before
+# the checkpoint is read
+
+GiB = 2 ** 30
+
+
+def memory_plan(model, args, world_size, longest_prompt, dtype):
+    """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
+    that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
+    (gradients, and an estimate of one micro-batch's activations)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
+    compute_bytes = 2 if dtype == "bfloat16" else 4
+    ref_bytes = 0
+    if args.kl_coef and not args.lora_rank and not args.ref_offload:
+        bf16 = (args.ref_dtype or dtype) == "bfloat16"
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        ref_bytes = sum(p.numel() * (2 if bf16 and id(p) in linear else 4) for p in model.parameters())
+    c = model.config
+    head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
+    rows = sample_batch_rows(args, world_size)
+    kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
+    micro_rows = min(args.device_batch_size, args.prompts_per_step // world_size * args.num_samples)
+    return {
+        "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
+        "optimizer state per rank": max(planned_optimizer_state(model, args, owners, world_size)),
+        "reference model": ref_bytes,
+        f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
+        + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
+        "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
+        # ~34 bytes per token, layer and unit of width at 16 bits (Korthikanti et al. 2022, attention scores not
+        # kept), and the head's float32 logits and their gradient at the reply tokens
+        f"update: activations of {micro_rows} rows (estimate)": micro_rows * (
+            length * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + args.max_new_tokens * c.vocab_size * 4 * 2),
+    }
+
+
+def size(n):
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def phase_bytes(plan, phase=None):
+    """The plan's bytes of one phase ("sampling", "update"), or with None of what stays all run."""
+    return sum(v for k, v in plan.items() if (k.split(":")[0] == phase if phase else ":" not in k))
+
+
+def plan_peak(plan):
+    """What stays, plus the larger of the two phases."""
+    return phase_bytes(plan) + max(phase_bytes(plan, "sampling"), phase_bytes(plan, "update"))
+
+
+def planned_optimizer_state(model, args, owners, world_size):
+    """-> bytes of optimizer state on each rank: the optimizers built on the meta-device model and stepped once on
+    zero gradients, so that every piece of state is counted as they allocate it."""
+    optimizers = make_optimizers(model, args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for opt in optimizers:
+        opt.step()
+    for p in params:
+        p.grad = None
+    per_rank = [0] * world_size
+    for opt in optimizers:
+        for p, entry in opt.state.items():
+            for rank in [owners[id(p)]] if owners else range(world_size):
+                per_rank[rank] += state_bytes(entry)
+    return per_rank
+
+
+def sample_batch_rows(args, world_size):
+    """Replies a generate call samples: --sample-batch-size in whole groups, at most this rank's step."""
+    rows = args.prompts_per_step // world_size * args.num_samples
+    G = args.num_samples
+    return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
+
+
+def free_memory(device):
+    """Bytes this process may use: the GPU's free memory, or its share of the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of a machine share it
+
+
+def plan_memory(args, world_size, device, dtype, task, log):
+    """Print the memory plan (rank 0); on a GPU pick --sample-batch-size where it was not given; stop with one line
+    when even the smallest chunks cannot fit, before the checkpoint is read."""
+    model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
+    if args.lora_rank:
+        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    # the longest prompt of the first 10,000 questions: all of GSM8K's train split; the toy task's are all alike
+    longest_prompt = max(len(tokenizer.render_for_completion(task[i])) for i in range(min(len(task), 10_000)))
+    free = free_memory(device)
+    smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), sample_batch_size=args.num_samples,
+                                                         device_batch_size=1)), world_size, longest_prompt, dtype)
+    if plan_peak(smallest) > free:
+        remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
+            "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
+            ["--ref-offload"] if smallest["reference model"] else []) + ["a smaller --max-new-tokens"]
+        sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
+                 f"call and one row a pass, and the {device.type} has {size(free)} free: use "
+                 f"{', '.join(remedies)}")
+    if args.sample_batch_size is None and device.type == "cuda":  # as many replies as fit beside what stays (90%)
+        per_reply = phase_bytes(smallest, "sampling") / args.num_samples
+        args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
+    plan = memory_plan(model, args, world_size, longest_prompt, dtype)
+    where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
+                                                            if world_size > 1 and args.shard_optimizer else "")
+    log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
+        f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
+    if plan_peak(plan) > free:
+        log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: "
+            "lower --sample-batch-size or --device-batch-size if the run runs out of memory")
+
+
+@contextmanager
+def on_device(module, device):
+    """--ref-offload: a module whose weights wait in CPU memory, on the device for the duration of the block. Its
+    weights do not change there, so nothing is copied back: they point to their CPU copies again."""
+    if device.type == "cpu":
+        yield
+        return
+    kept = [p.data for p in module.parameters()]
+    for p in module.parameters():
+        p.data = p.data.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for p, cpu in zip(module.parameters(), kept):
+            p.data = cpu
 
 
 # -----------------------------------------------------------------------------
@@ -811,6 +950,7 @@ def start_run(args, run_dir, rank, writes):
         train_task, test_task = (TASKS[args.task].from_flags(split, args) for split in ("train", "test"))
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+    plan_memory(args, world_size, device, dtype, train_task, log)
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -838,6 +978,9 @@ def start_run(args, run_dir, rank, writes):
             for module in ref_model.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.to(torch.bfloat16)
+        if args.ref_offload and device.type == "cuda":  # in pinned CPU memory: a fast copy to the GPU each step
+            for p in ref_model.parameters():
+                p.data = p.data.cpu().pin_memory()
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
@@ -860,12 +1003,16 @@ def start_run(args, run_dir, rank, writes):
     return run
 
 
-def load_policy(args, log):
-    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>."""
+def load_policy(args, log, shapes_only=False):
+    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>. shapes_only: the model on
+    the meta device, without reading its weights."""
     if args.init == "scratch":
         tokenizer = Tokenizer.byte_level()
         config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
                            n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        if shapes_only:
+            with torch.device("meta"):
+                return GPT(config), tokenizer, f"d{args.depth}"
         return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
     if args.init == "sft":
         try:
@@ -876,7 +1023,7 @@ def load_policy(args, log):
         checkpoint_dir = args.init
     try:
         model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
-                                   window_pattern=args.window_pattern, log=log)
+                                   window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -1490,10 +1637,14 @@ def finish_update_stats(stats, args, with_kl):
     }
 
 
+def state_bytes(entry):
+    """The bytes of one weight's optimizer state (its momenta, second moments, step counter)."""
+    return sum(v.numel() * v.element_size() for v in entry.values() if torch.is_tensor(v))
+
+
 def optimizer_state_bytes(optimizers):
-    """The bytes of this rank's optimizer state (momenta, second moments)."""
-    return sum(v.numel() * v.element_size() for opt in optimizers for entry in opt.state.values()
-               for v in entry.values() if torch.is_tensor(v))
+    """The bytes of this rank's optimizer state."""
+    return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
 
 
 def weights_are_finite(model):

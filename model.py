@@ -802,9 +802,10 @@ def checkpoint_steps(checkpoint_dir):
     return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"model_(\d+)\.pt", name)))
 
 
-def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=None, log=print):
+def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=None, log=print, shapes_only=False):
     """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
     generation / window_pattern override what the files say or what would be assumed (see model_from_state).
+    shapes_only: the model on the meta device, its weights never read (for planning memory before loading).
     A missing, damaged or foreign file raises FileNotFoundError / ValueError naming it."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
@@ -814,14 +815,15 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
         raise FileNotFoundError(f"no step {step} in {checkpoint_dir}; available steps: {steps}")
     meta = read_meta(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
     model_path = os.path.join(checkpoint_dir, f"model_{step:06d}.pt")
-    state = load_tensors(model_path)
+    state = load_tensors(model_path, mmap=shapes_only)  # mapped: names and shapes, no tensor read
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
         raise ValueError(f"{model_path} holds no state dict (names -> tensors): is it a nanochat model file?")
     # Our own checkpoints name their generation, which settles what the files alone cannot.
     try:
-        model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
-                                 window_pattern, log)
+        with torch.device("meta") if shapes_only else nullcontext():
+            model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
+                                     window_pattern, log, load=not shapes_only)
     except ValueError as e:
         raise ValueError(f"{model_path}: {e}") from None
     return model, meta
@@ -852,10 +854,11 @@ def read_meta(path):
 DAMAGED_FILE_ERRORS = (EOFError, RuntimeError, KeyError, IndexError, ValueError, pickle.UnpicklingError)
 
 
-def load_tensors(path, device="cpu"):
-    """torch.load with weights_only, so nothing in the file can run code; a damaged file -> ValueError naming it."""
+def load_tensors(path, device="cpu", mmap=False):
+    """torch.load with weights_only, so nothing in the file can run code; a damaged file -> ValueError naming it.
+    mmap: the tensors stay in the file, read when used."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except DAMAGED_FILE_ERRORS as e:
         reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no data"
         raise ValueError(f"{path} is damaged or not a checkpoint file ({type(e).__name__}: {reason})") from None
@@ -882,9 +885,10 @@ def detect_generation(model_config, state):
     return ("classic" if wte is not None and wte.size(0) == model_config.get("vocab_size") else "padded-vocab"), None
 
 
-def model_from_state(model_config, state, generation=None, window_pattern=None, log=print):
+def model_from_state(model_config, state, generation=None, window_pattern=None, log=print, load=True):
     """Build a GPT from a nanochat config dict and state dict, refusing anything this GPT does not implement.
-    Where the files leave a choice open, nanochat's own choice is made and one line says so (via `log`)."""
+    Where the files leave a choice open, nanochat's own choice is made and one line says so (via `log`).
+    load False: the checked model without the state's weights."""
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
     detected, assumption = detect_generation(model_config, state)
     if generation is not None and generation not in GENERATIONS:
@@ -917,7 +921,8 @@ def model_from_state(model_config, state, generation=None, window_pattern=None, 
     if extra_keys or missing or wrong:
         raise ValueError(f"checkpoint does not match a nanochat {name} GPT of config {config}: unexpected parameters "
                          f"{extra_keys[:8]}, missing {missing[:8]}, wrong shapes {wrong[:8]}")
-    model.load_state_dict({k: v.float() for k, v in state.items()})  # bf16 on disk -> float32 master weights
+    if load:
+        model.load_state_dict({k: v.float() for k, v in state.items()})  # bf16 on disk -> float32 master weights
     model.disk_dtypes = {k: v.dtype for k, v in state.items() if v.dtype != torch.float32}
     return model
 

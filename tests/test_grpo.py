@@ -584,7 +584,10 @@ def launch_ranks(flags, logs, port, world_size=2):
              for r in range(world_size)]
     try:
         for rank, log in zip(ranks, logs):
-            assert rank.wait(timeout=300) == 0, log.read_text()
+            try:
+                assert rank.wait(timeout=300) == 0, log.read_text()
+            except subprocess.TimeoutExpired:  # what each rank got to (was the port taken by another run?)
+                raise AssertionError("\n".join(log.read_text()[-2000:] for log in logs)) from None
     finally:  # a rank that failed leaves the other waiting for it
         for rank in ranks:
             rank.kill()

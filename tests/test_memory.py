@@ -1,0 +1,118 @@
+"""
+The memory plan (grpo.memory_plan) against what torch allocates, and its one-line stop; the reference model kept
+in CPU memory. The plan counts from a model on the meta device; these tests build the same model for real.
+"""
+import os
+
+import pytest
+import torch
+
+import grpo
+from test_generations import FIXTURES
+from test_grpo import NO_AUTOCAST, args_for, sampled_batch
+
+SMEAR_BACKOUT = os.path.join(FIXTURES, "smear-backout", "base", "chatsft_checkpoints", "d4")
+
+
+def quiet(*a, **k):
+    pass
+
+
+@pytest.mark.parametrize("flags", [["--optimizer-version", "v1"], ["--optimizer-version", "v5"],
+                                   ["--optimizer", "adamw"], ["--lora-rank", "4", "--init", SMEAR_BACKOUT],
+                                   ["--optimizer-version", "v3", "--init", SMEAR_BACKOUT]],
+                         ids=["muon-v1", "muon-v5", "adamw", "lora", "muon-v3-smear-backout"])
+def test_the_plans_weights_gradients_and_optimizer_state_are_what_torch_allocates(flags, monkeypatch):
+    if SMEAR_BACKOUT in flags and not os.path.isdir(SMEAR_BACKOUT):
+        pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
+    args = args_for("--algo", "grpo", *flags)
+    shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
+    model, _, _ = grpo.load_policy(args, quiet)
+    assert next(shape.parameters()).device.type == "meta"
+    if args.lora_rank:
+        shape.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    # the real thing: one update of the real model (no reference passed: the plan's reference is tested below)
+    optimizers = grpo.make_optimizers(model, args)
+    gradient_bytes, step = [], grpo.optimizer_step
+
+    def counting(model, *a):
+        gradient_bytes.append(sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                  if p.grad is not None))
+        return step(model, *a)
+
+    monkeypatch.setattr(grpo, "optimizer_step", counting)
+    grpo.policy_update(model, optimizers, sampled_batch(args)[1], args, NO_AUTOCAST)
+    plan = grpo.memory_plan(shape, args, 1, longest_prompt=9, dtype="float32")
+    assert plan["weights (float32)"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan["update: gradients (float32)"] == gradient_bytes[0]
+    assert plan["optimizer state per rank"] == grpo.optimizer_state_bytes(optimizers)
+    for world_size in (2, 3):  # sharded: each rank's share, weight by weight as the real state lies
+        owners = grpo.shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
+        per_rank = [0] * world_size
+        for opt in optimizers:
+            for p, entry in opt.state.items():
+                per_rank[owners[id(p)]] += grpo.state_bytes(entry)
+        shape_owners = grpo.shard_owners([p for p in shape.parameters() if p.requires_grad], world_size)
+        assert grpo.planned_optimizer_state(shape, args, shape_owners, world_size) == per_rank
+        sharded = grpo.memory_plan(shape, grpo.resolve_config(["--demo", "--algo", "grpo", "--shard-optimizer",
+                                                               *flags]), world_size, 9, "float32")
+        assert sharded["optimizer state per rank"] == max(per_rank)
+    assert max(per_rank) <= 0.45 * sum(per_rank)  # three ranks: about a third each
+
+
+def test_the_plans_reference_and_kv_cache_bytes():
+    args = args_for("--algo", "grpo", "--ref-dtype", "bfloat16", "--dtype", "bfloat16")
+    shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
+    plan = grpo.memory_plan(shape, args, 1, longest_prompt=9, dtype="bfloat16")
+    linear = sum(m.weight.numel() for m in shape.modules() if isinstance(m, torch.nn.Linear))
+    total = sum(p.numel() for p in shape.parameters())
+    assert plan["reference model"] == 2 * linear + 4 * (total - linear)
+    offloaded = grpo.memory_plan(shape, args_for("--algo", "grpo", "--ref-offload"), 1, 9, "bfloat16")
+    assert offloaded["reference model"] == 0
+    c, G = shape.config, args.num_samples
+    rows = grpo.sample_batch_rows(args_for("--algo", "grpo", "--sample-batch-size", str(2 * G + 1)), 1)
+    assert rows == 2 * G  # whole groups
+    chunk = grpo.memory_plan(shape, args_for("--algo", "grpo", "--sample-batch-size", str(2 * G)), 1, 9, "bfloat16")
+    per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * (9 + args.max_new_tokens) * 2
+    assert chunk[f"sampling: KV cache and logits of {rows} replies"] == rows * (per_row + c.vocab_size * 4) + 2 * per_row
+
+
+def test_a_plan_that_cannot_fit_stops_before_the_checkpoint_is_read(tmp_path, monkeypatch):
+    if not os.path.isdir(SMEAR_BACKOUT):
+        pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
+    monkeypatch.setattr(grpo, "free_memory", lambda device: 100_000)  # 100 kB
+    reads, load = [], grpo.load_checkpoint
+    monkeypatch.setattr(grpo, "load_checkpoint", lambda *a, **k: reads.append(k["shapes_only"]) or load(*a, **k))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(["--demo", "--init", SMEAR_BACKOUT, "--runs-dir", str(tmp_path), "--run-name", "tiny",
+                   "--num-steps", "1"])
+    message = str(stop.value.code)
+    assert message.startswith("error: the memory plan needs ") and "\n" not in message
+    assert "more GPUs" in message and "--lora-rank 16" in message and "--ref-offload" in message
+    assert reads == [True]  # the weights were never read
+    assert not (tmp_path / "tiny" / "metrics.jsonl").exists()
+
+
+def test_an_offloaded_reference_needs_a_reference_copy():
+    with pytest.raises(SystemExit):
+        args_for("--algo", "reinforce", "--ref-offload")  # no KL: no reference
+    with pytest.raises(SystemExit):
+        args_for("--algo", "grpo", "--lora-rank", "4", "--init", "x", "--ref-offload")  # the reference is the model
+    assert args_for("--algo", "grpo", "--ref-offload").ref_offload
+
+
+@pytest.mark.cuda
+def test_an_offloaded_reference_gives_the_same_log_probs_and_returns_to_the_cpu():
+    model, batch = sampled_batch(args_for())
+    device = torch.device("cuda")
+    batch = {k: v.to(device) for k, v in batch.items()}
+    reference = model.to(device)
+    expected = reference.token_logprobs(batch["input_ids"], batch["target_ids"])
+    for p in reference.parameters():
+        p.data = p.data.cpu().pin_memory()
+    before = [p.data for p in reference.parameters()]
+    with grpo.on_device(reference, device):
+        assert all(p.is_cuda for p in reference.parameters())
+        assert torch.equal(reference.token_logprobs(batch["input_ids"], batch["target_ids"]), expected)
+    assert all(p.data is cpu and cpu.is_pinned() for p, cpu in zip(reference.parameters(), before))
