@@ -128,7 +128,7 @@ arg("--reward-weights", type=weights, help="the task's reward terms combined, e.
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
 arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
-    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; from scratch: v1)")
+    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; from scratch: v5)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
 arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices")
 arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
@@ -869,30 +869,35 @@ def free_memory(device):
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of a machine share it
 
 
+def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
+    """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
+    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory)."""
+    smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), sample_batch_size=args.num_samples,
+                                                         device_batch_size=1)), world_size, longest_prompt, dtype)
+    if args.sample_batch_size is None and gpu:
+        per_reply = phase_bytes(smallest, "sampling") / args.num_samples
+        args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
+    return memory_plan(model, args, world_size, longest_prompt, dtype), smallest
+
+
 def plan_memory(args, world_size, device, dtype, task, log):
-    """Print the memory plan (rank 0); on a GPU pick --sample-batch-size where it was not given; stop with one line
-    when even the smallest chunks cannot fit, before the checkpoint is read."""
+    """Print the memory plan (rank 0), pick the sampling chunk on a GPU, and stop with one line when even the
+    smallest chunks cannot fit: before the checkpoint is read."""
     model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
     if args.lora_rank:
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     # the longest prompt of the first 10,000 questions: all of GSM8K's train split; the toy task's are all alike
     longest_prompt = max(len(tokenizer.render_for_completion(task[i])) for i in range(min(len(task), 10_000)))
     free = free_memory(device)
-    smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), sample_batch_size=args.num_samples,
-                                                         device_batch_size=1)), world_size, longest_prompt, dtype)
+    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, device.type == "cuda")
     if plan_peak(smallest) > free:
         remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
             "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
             ["--ref-offload"] if smallest["reference model"] else []) + ["a smaller --max-new-tokens"]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
-                 f"call and one row a pass, and the {device.type} has {size(free)} free: use "
-                 f"{', '.join(remedies)}")
-    if args.sample_batch_size is None and device.type == "cuda":  # as many replies as fit beside what stays (90%)
-        per_reply = phase_bytes(smallest, "sampling") / args.num_samples
-        args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
-    plan = memory_plan(model, args, world_size, longest_prompt, dtype)
+                 f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
-                                                            if world_size > 1 and args.shard_optimizer else "")
+                                                    if world_size > 1 and args.shard_optimizer else "")
     log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if plan_peak(plan) > free:
@@ -1168,10 +1173,11 @@ class NanochatAdamW(torch.optim.Optimizer):
 
 
 def optimizer_version(model, args):
-    """--optimizer-version, or the one of the checkpoint's generation; a model from scratch: v1."""
+    """--optimizer-version, or the one of the checkpoint's generation; a model from scratch: nanochat's newest (the
+    demo learns faster with it: docs/demo.md)."""
     if args.optimizer_version:
         return args.optimizer_version
-    return "v1" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
+    return "v5" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
 
 
 def make_optimizers(model, args):

@@ -6,6 +6,12 @@ interleaved, --repeats rounds; the table gives the median.
 
     python tests/bench_memory.py                                # d8 shape, newest and classic generation, CPU
     python tests/bench_memory.py --device cuda --depth 20       # on a GPU: peak allocated instead of peak RSS
+    python tests/bench_memory.py --plan                         # the memory plan of d20-d32 on 1 and 8 GPUs
+
+--plan prints, in seconds and without running anything, the plan a run prints at its start (grpo.memory_plan) for
+nanochat's newest generation at depths 20, 24, 26 and 32, for `reinforce`, `grpo` with KL (bf16 reference) and
+`grpo` with LoRA r=16, on 1 and on 8 GPUs of --gpu-gib free memory each (sharded optimizer state on 8), with the
+default sampling chunk a GPU run picks (as many replies as fit).
 
 The model is nanochat's shape for --depth (width 64 x depth, head size 128, vocabulary 65,536, every generation's
 extra tables) with random weights, saved as a nanochat checkpoint that grpo.py starts from; the step is grpo.py's
@@ -41,6 +47,9 @@ parser.add_argument("--new-tokens", type=int, default=16)
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--child", nargs=2, metavar=("INIT", "SETTING"), help=argparse.SUPPRESS)
+parser.add_argument("--plan", action="store_true", help="print the memory plans of d20-d32 (no run)")
+parser.add_argument("--gpu-gib", type=float, default=79.0, help="--plan: free memory of one GPU (an H100 80GB: ~79)")
+parser.add_argument("--prompt-tokens", type=int, default=256, help="--plan: the longest prompt, tokens")
 args = parser.parse_args()
 
 SETTINGS = {"full, float32 reference": ["--ref-dtype", "float32"],
@@ -147,7 +156,43 @@ def main():
                 print(f"| {setting} | {median['before_mb']:.0f} | {median['peak_mb']:.0f} | {median['seconds']:.1f} |")
 
 
-if args.child:
+def plans():
+    """The memory plan of nanochat's newest generation at d20-d32 for three settings on 1 and 8 GPUs."""
+    settings = {"reinforce": ["--algo", "reinforce"], "grpo, KL": ["--algo", "grpo"],
+                "grpo, KL, LoRA r=16": ["--algo", "grpo", "--lora-rank", "16"]}
+    free = args.gpu_gib * 2 ** 30
+    print(f"memory plan per GPU: nanochat's newest generation, bf16, --prompts-per-step 16 --num-samples 16 "
+          f"--max-new-tokens 256, prompts up to {args.prompt_tokens} tokens, {args.gpu_gib:g} GiB free a GPU; "
+          "GiB per GPU; sampling: the default chunk a GPU run picks (replies a generate call)")
+    print("| model | params | setting | GPUs | weights | optimizer state per rank | reference | sampling (replies) "
+          "| update: gradients + activations | peak | fits |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for depth in (20, 24, 26, 32):
+        width = 64 * depth
+        config = GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=width // 128,
+                           n_kv_head=width // 128, n_embd=width, window_pattern="SSSL")
+        for name, flags in settings.items():
+            for gpus in (1, 8):
+                with torch.device("meta"):
+                    model = GPT(config, "smear-backout")
+                run_args = grpo.resolve_config(["--init", "x", "--dtype", "bfloat16", *flags,
+                                                "--shard-optimizer" if gpus > 1 else "--no-shard-optimizer"])
+                if run_args.lora_rank:
+                    model.add_lora(run_args.lora_rank, run_args.lora_alpha, 0)
+                plan, smallest = grpo.fitted_plan(model, run_args, gpus, args.prompt_tokens, "bfloat16", free, True)
+                rows = grpo.sample_batch_rows(run_args, gpus)
+                gib = {k.split(":")[0] if ":" in k else k: v / 2 ** 30 for k, v in plan.items()}
+                update = grpo.phase_bytes(plan, "update") / 2 ** 30
+                fits = "yes" if grpo.plan_peak(smallest) <= free else "no"
+                print(f"| d{depth} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B | {name} | {gpus} | "
+                      f"{gib['weights (float32)']:.1f} | {gib['optimizer state per rank']:.1f} | "
+                      f"{gib['reference model']:.1f} | {grpo.phase_bytes(plan, 'sampling') / 2 ** 30:.1f} ({rows}) | "
+                      f"{update:.1f} | {grpo.plan_peak(plan) / 2 ** 30:.1f} | {fits} |")
+
+
+if args.plan:
+    plans()
+elif args.child:
     child(*args.child)
 else:
     main()

@@ -404,6 +404,8 @@ def test_non_finite_weights_stop_before_saving_and_the_advice_works(tmp_path, mo
 
     def overflowing_step(self):  # an update from a finite loss that overflows, on the first update of step 3
         real_step(self)
+        if self.param_groups[0]["params"][0].is_meta:  # the memory plan's dry step on the model's shapes
+            return
         calls.append(1)
         per_update = sum(len(group["params"]) for group in self.param_groups)  # called once per weight
         if len(calls) == 4 * per_update + 1:  # grpo: 2 optimizer steps per training step
@@ -466,7 +468,7 @@ def test_interrupt_names_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
         grpo.main(flags(tmp_path, name="ctrl-c"))
     assert exit_info.value.code.startswith("error: interrupted. The run's newest checkpoint, step 2 in ")
 
-    def ctrl_c(*a):
+    def ctrl_c(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(grpo, "load_policy", ctrl_c)  # before the run wrote anything
