@@ -789,12 +789,15 @@ def check_config(args):
 GiB = 2 ** 30
 
 
-def memory_plan(model, args, world_size, longest_prompt, dtype):
+def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None):
     """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
     that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
-    (gradients, and an estimate of one micro-batch's activations)."""
+    (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
+    known (they depend on neither phase)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
+    if optimizer_state is None:
+        owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
+        optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
     compute_bytes = 2 if dtype == "bfloat16" else 4
     ref_bytes = 0
     if args.kl_coef and not args.lora_rank and not args.ref_offload:
@@ -808,7 +811,7 @@ def memory_plan(model, args, world_size, longest_prompt, dtype):
     micro_rows = min(args.device_batch_size, args.prompts_per_step // world_size * args.num_samples)
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
-        "optimizer state per rank": max(planned_optimizer_state(model, args, owners, world_size)),
+        "optimizer state per rank": optimizer_state,
         "reference model": ref_bytes,
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
@@ -877,7 +880,8 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
-    return memory_plan(model, args, world_size, longest_prompt, dtype), smallest
+    return memory_plan(model, args, world_size, longest_prompt, dtype,
+                       smallest["optimizer state per rank"]), smallest
 
 
 def plan_memory(args, world_size, device, dtype, task, log):
@@ -886,8 +890,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
     model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
     if args.lora_rank:
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
-    # the longest prompt of the first 10,000 questions: all of GSM8K's train split; the toy task's are all alike
-    longest_prompt = max(len(tokenizer.render_for_completion(task[i])) for i in range(min(len(task), 10_000)))
+    longest_prompt = task.longest_prompt(tokenizer)
     free = free_memory(device)
     plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, device.type == "cuda")
     if plan_peak(smallest) > free:

@@ -14,7 +14,8 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
   its string result forced into the reply;
 - from_flags(split, args) and default_num_steps(prompts_per_step): how grpo.py's flags build the task;
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
-  (a resumed run refuses data that changed under it).
+  (a resumed run refuses data that changed under it);
+- longest_prompt(tokenizer): the longest prompt in tokens, for the memory plan.
 """
 
 
@@ -30,6 +31,10 @@ class Task:
 
     def fingerprint(self):
         return None
+
+    def longest_prompt(self, tokenizer):
+        """Of the first 10,000 examples (all of GSM8K's train split): a bound for the memory plan, not a limit."""
+        return max(len(tokenizer.render_for_completion(self[i])) for i in range(min(len(self), 10_000)))
 
     def __getitem__(self, index):
         if not 0 <= index < len(self):

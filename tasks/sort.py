@@ -28,6 +28,9 @@ class Sort(Task):
     def __len__(self):
         return self.num_test if self.split == "test" else 10 ** 12
 
+    def longest_prompt(self, tokenizer):
+        return len(tokenizer.render_for_completion(self[0]))  # every prompt is --sort-length digits, one token each
+
     def example(self, index):
         rng = random.Random(f"sort-{self.split}-{self.seed}-{self.length}-{index}")
         digits = "".join(rng.choice("0123456789") for _ in range(self.length))
