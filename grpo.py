@@ -1493,7 +1493,8 @@ def resume(args, run):
     try:
         saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
         run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)  # LoRA: merged, see below
-        state = load_tensors(state_path)  # on the CPU: each optimizer moves the state it keeps to its weights
+        # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
+        state = load_tensors(state_path, mmap=True)
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
             raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
@@ -1831,8 +1832,8 @@ def shard_owners(params, world_size):
 
 
 def gathered_optimizer_states(optimizers, owners):
-    """-> every optimizer's whole state_dict on rank 0 (None on the others). With a sharded optimizer each weight's
-    state comes from its owner, tensor by tensor, to rank 0's CPU memory: never all of it on one GPU at once."""
+    """-> every optimizer's whole state_dict, for rank 0 to save. With a sharded optimizer each weight's state comes
+    from its owner, tensor by tensor, to rank 0's CPU memory (never all of it on one GPU); the others get None."""
     states = [opt.state_dict() for opt in optimizers]
     if not owners:
         return states
