@@ -126,7 +126,8 @@ arg("--sample-batch-size", type=count, default=None, help="replies sampled per g
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
-arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW; adamw: one AdamW")
+arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
+    "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW")
 arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
     help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; from scratch: v5)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
@@ -134,7 +135,8 @@ arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the bl
 arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
 arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head")
 arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this")
-arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay")
+arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay (muon: on AdamW in v1, as cautious decay "
+    "on Muon from v2, as nanochat's RL script passes it)")
 arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)")
 arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
 arg("--warmup-steps", type=at_least(0), default=0, help="steps of linear warmup from 1/N of the learning rates")
