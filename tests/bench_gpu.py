@@ -151,6 +151,15 @@ def training_step(model, prompts, algo, compiled):
     print(f"  step {label:18s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
           f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, batch {tuple(batch['input_ids'].shape)}) | "
           f"update MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory {peak_memory}")
+    # what grpo.py's memory plan predicts for this step (its reference here a float32 copy); the measured peak also
+    # holds the bench's own copy of the model, the weights row once more
+    plan = grpo.memory_plan(copy.deepcopy(policy).to("meta"), argparse.Namespace(**dict(
+        vars(step_args), ref_dtype="float32")), 1, args.prompt_len, "bfloat16")
+    print(f"  memory plan of that step: peak {grpo.size(grpo.plan_peak(plan))} (stays "
+          f"{grpo.size(grpo.phase_bytes(plan))}, sampling {grpo.size(grpo.phase_bytes(plan, 'sampling'))}, update "
+          f"{grpo.size(grpo.phase_bytes(plan, 'update'))}, of which activations (estimate) "
+          f"{grpo.size(next(v for k, v in plan.items() if 'activations' in k))}); + the bench's model "
+          f"{grpo.size(plan['weights (float32)'])}")
 
 
 bandwidth = copy_bandwidth()
