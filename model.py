@@ -858,7 +858,12 @@ def load_tensors(path, device="cpu", mmap=False):
     """torch.load with weights_only, so nothing in the file can run code; a damaged file -> ValueError naming it.
     mmap: the tensors stay in the file, read when used."""
     try:
-        return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+        try:
+            return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+        except DAMAGED_FILE_ERRORS:
+            if not mmap:
+                raise
+            return torch.load(path, map_location=device, weights_only=True)  # e.g. torch's legacy format: read it
     except DAMAGED_FILE_ERRORS as e:
         reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no data"
         raise ValueError(f"{path} is damaged or not a checkpoint file ({type(e).__name__}: {reason})") from None

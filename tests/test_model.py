@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
-from model import GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, find_checkpoint, generate, load_checkpoint, save_checkpoint
+from model import (GENERATIONS, GPT, GPTConfig, KVCache, Tokenizer, find_checkpoint, generate, load_checkpoint,
+                   load_tensors, save_checkpoint)
 from tasks.gsm8k import calculator
 
 TOK = Tokenizer.byte_level()
@@ -305,3 +306,12 @@ def test_head_recomputed_in_the_backward_or_kept_gives_the_same_gradients(with_e
         results.append([logprobs.detach()] + [p.grad.clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_mapped_load_reads_torchs_legacy_format_and_names_a_damaged_file(tmp_path):
+    # shapes-only loads and resumes map the file; a file in torch's pre-zip format cannot be mapped, and is read
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(load_tensors(str(tmp_path / "legacy.pt"), mmap=True)["w"], torch.arange(3.0))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="bad.pt is damaged or not a checkpoint file"):
+        load_tensors(str(tmp_path / "bad.pt"), mmap=True)
