@@ -289,9 +289,9 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 def pass_normalisers(loss_mask, G, pass_size):
     """nanochat's RL loss: a question's G replies are taken in passes (nanochat's device batch, here --pass-size),
-    each pass's summed loss is divided by the pass's tokens, and the passes are averaged. loss_mask [N, T] -> [N]: per row, its pass's
-    tokens x the question's passes / G, so that each reply's sum divided by this, averaged over all replies, is
-    that loss (when pass_size divides G: the mean reply length of the pass)."""
+    each pass's summed loss is divided by the pass's tokens, and the passes are averaged. loss_mask [N, T] -> [N]:
+    per row, its pass's tokens x the question's passes / G, so that each reply's sum divided by this, averaged over
+    all replies, is that loss (when pass_size divides G: the mean reply length of the pass)."""
     N = loss_mask.size(0)
     passes = -(-G // pass_size)  # per question
     row = torch.arange(N, device=loss_mask.device)
@@ -380,10 +380,10 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     # noise comes from its own seed, so how they are split changes nothing but memory.
     per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
-        parts = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                          args.top_k, seed=seeds[i:i + per_call], tool=task.tool)
-                 for i in range(0, len(prompts), per_call)]
-    samples = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+        chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
+                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool)
+                  for i in range(0, len(prompts), per_call)]
+    samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
         task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
         for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]

@@ -623,13 +623,17 @@ def test_ddp_steps_equal_single_process_steps(tmp_path, setting, port):
     flags = run_flags(tmp_path, "x", "--num-steps", "3", "--save-every", "1", "--algo", "grpo", "--device-batch-size",
                       "4", "--lr", "1e-3", "--eval-every", "3", "--eval-examples", "7", "--final-eval-examples", "7",
                       "--pass-k", "2", *extra)
-    named = lambda name, *more: flags[:flags.index("--run-name") + 1] + [name] + flags[flags.index("--run-name") + 2:] \
-        + list(more)  # noqa: E731
+
+    def named(name, *more):
+        return flags[:flags.index("--run-name") + 1] + [name] + flags[flags.index("--run-name") + 2:] + list(more)
+
     in_this_process(named("single"))
     launch_ranks(named("ddp"), [tmp_path / f"rank{r}.txt" for r in range(2)], port)
     tag = "d4" if setting == "lora" else "d2"
-    weights = lambda name, step: load_checkpoint(str(tmp_path / name / "chatrl_checkpoints" / tag), step)[0]\
-        .state_dict()  # noqa: E731
+
+    def weights(name, step):
+        return load_checkpoint(str(tmp_path / name / "chatrl_checkpoints" / tag), step)[0].state_dict()
+
     start = (load_checkpoint(SMEAR_BACKOUT)[0] if setting == "lora" else GPT(GPTConfig(**json.load(open(
         tmp_path / "single" / "chatrl_checkpoints" / tag / "meta_000003.json"))["model_config"])).init_weights(0))
     compared = 1 if setting.startswith("muon") else 3
@@ -639,8 +643,9 @@ def test_ddp_steps_equal_single_process_steps(tmp_path, setting, port):
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in weights("ddp", 3).items())  # steps were taken
     if setting == "muon-v5":  # sharded or not, 2 ranks add the same two gradients: the same weights, bit for bit
         launch_ranks(named("ddp-whole", "--no-shard-optimizer"), [tmp_path / f"whole{r}.txt" for r in range(2)], port)
+        whole = weights("ddp-whole", 3)
         for k, v in weights("ddp", 3).items():
-            assert torch.equal(v, weights("ddp-whole", 3)[k]), k
+            assert torch.equal(v, whole[k]), k
     logs = [[json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("single", "ddp")]
     train = [[m for m in log if "reward" in m] for log in logs]
     assert train[0][0]["reward"] == train[1][0]["reward"]
