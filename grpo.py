@@ -1450,6 +1450,8 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
 # ...and how the work is spread: the same steps up to float rounding (another summation order)
 SPREAD = ("world_size", "shard_optimizer")
+# Flags added since runs began to be resumed, with what a run from before them did
+SINCE = {"shard_optimizer": False, "ref_offload": False}
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
           "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
@@ -1472,6 +1474,8 @@ def resume(args, run):
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
     if run_config.get("optimizer") == "muon" and not run_config.get("lora_rank"):  # runs from before versions: v1
         run_config.setdefault("optimizer_version", "v1")
+    for k, v in SINCE.items():  # flags newer than the run: it ran as their value then
+        run_config.setdefault(k, v)
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
         if digest != config["inputs"].get(name):
             sys.exit(f"error: --resume: the run's {INPUTS[name]} changed since it started (sha256 {str(digest)[:12]} "

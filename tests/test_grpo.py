@@ -533,6 +533,21 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_sav
         assert a["reward"] == b["reward"] and a["loss"] == b["loss"]
 
 
+def test_a_run_from_before_the_newest_flags_resumes_as_it_ran(tmp_path, run_killed_after_first_save, capsys):
+    # a run folder written before --shard-optimizer, --ref-offload, --sample-batch-size and --pass-size existed
+    flags = run_flags(tmp_path, "old", "--num-steps", "2", "--save-every", "1", "--algo", "grpo")
+    run_killed_after_first_save(flags)
+    config_path = tmp_path / "old" / "config.json"
+    config = json.load(open(config_path))
+    for k in ("shard_optimizer", "ref_offload", "sample_batch_size", "pass_size"):
+        del config[k]
+    config_path.write_text(json.dumps(config))
+    capsys.readouterr()
+    grpo.main(flags + ["--resume"])
+    assert "resumed from step 1" in capsys.readouterr().out
+    assert "resumed_with" not in json.load(open(config_path))  # nothing changed: still one seed of its configuration
+
+
 def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint"):
         grpo.main(run_flags(tmp_path, "nothing", "--resume"))
