@@ -1445,11 +1445,12 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 # evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
 # the training RNG).
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
-                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states")
+                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
-# ...and how the work is spread: the same steps up to float rounding (another summation order)
-SPREAD = ("world_size", "shard_optimizer")
+# ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
+# steps up to float rounding (another summation order); a change is noted like the step sizes'.
+SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile")
 # Flags added since runs began to be resumed, with what a run from before them did
 SINCE = {"shard_optimizer": False, "ref_offload": False}
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.

@@ -548,6 +548,18 @@ def test_a_run_from_before_the_newest_flags_resumes_as_it_ran(tmp_path, run_kill
     assert "resumed_with" not in json.load(open(config_path))  # nothing changed: still one seed of its configuration
 
 
+def test_a_run_stopped_out_of_memory_resumes_with_the_smaller_chunks_its_stop_line_names(tmp_path, capsys,
+                                                                                          run_killed_after_first_save):
+    flags = run_flags(tmp_path, "oom", "--num-steps", "2", "--save-every", "1", "--algo", "grpo")
+    run_killed_after_first_save(flags)
+    capsys.readouterr()
+    grpo.main(flags + ["--resume", "--device-batch-size", "3", "--sample-batch-size", "8"])
+    out = capsys.readouterr().out
+    assert "resumed from step 1" in out and "device_batch_size 256 -> 3" in out and "sample_batch_size None -> 8" in out
+    resumed_with = json.load(open(tmp_path / "oom" / "config.json"))["resumed_with"]
+    assert resumed_with == [{"step": 1, "device_batch_size": [256, 3], "sample_batch_size": [None, 8]}]
+
+
 def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint"):
         grpo.main(run_flags(tmp_path, "nothing", "--resume"))
