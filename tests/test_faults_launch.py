@@ -24,6 +24,7 @@ import model as model_module
 from conftest import ROOT, Killed
 from model import SPECIAL_TOKENS
 from test_faults import GOOD_ROW, final_weights, flags, snapshot
+from test_grpo import in_this_process
 
 
 def wait_for(condition, seconds, what):
@@ -258,12 +259,7 @@ def test_two_nodes_of_one_process_each_take_the_steps_of_one_process(tmp_path):
                                "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29572", "--rdzv-id=nodes",
                                "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
              for log in logs]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        grpo.main(single)  # meanwhile, the same run in this process
-    finally:
-        torch.set_num_threads(threads)
+    in_this_process(single)  # meanwhile, the same run in this process
     try:
         for node, log in zip(nodes, logs):
             assert node.wait(timeout=300) == 0, log.read_text()
