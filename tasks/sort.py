@@ -29,7 +29,7 @@ class Sort(Task):
         return self.num_test if self.split == "test" else 10 ** 12
 
     def longest_prompt(self, tokenizer):
-        return len(tokenizer.render_for_completion(self[0]))  # every prompt is --sort-length digits, one token each
+        return len(tokenizer.render_for_completion(self[0]))  # every prompt: --sort-length digits, rendered alike
 
     def example(self, index):
         rng = random.Random(f"sort-{self.split}-{self.seed}-{self.length}-{index}")
