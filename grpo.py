@@ -141,7 +141,8 @@ arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global nor
 arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
 arg("--warmup-steps", type=at_least(0), default=0, help="steps of linear warmup from 1/N of the learning rates")
 arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
-arg("--num-steps", type=count, default=None, help="training steps (default: the task's; gsm8k: one epoch of its train split)")
+arg("--num-steps", type=count, default=None,
+    help="training steps (default: the task's; gsm8k: one epoch of its train split)")
 arg("--lora-rank", type=at_least(0), default=0,
     help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
 arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)")
@@ -164,7 +165,8 @@ arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (defaul
 arg("--runs-dir", default="runs", help="folder of the run folders")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
 arg("--seed", type=int, default=0, help="seeds the weights of a scratch model, the data order and the sampling")
-arg("--eval-every", type=at_least(0), default=60, help="steps between evals, and one at the start and the end (0: no evals)")
+arg("--eval-every", type=at_least(0), default=60,
+    help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")

@@ -317,7 +317,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         gen = self.generation
         positions, masks = self.attention_masks(T, cache, idx.device)
-        cos_sin = (self.rotary_cos[positions][:, :, None], self.rotary_sin[positions][:, :, None])  # [B or 1, T, 1, hd/2]
+        # [B or 1, T, 1, head_dim / 2]
+        cos_sin = (self.rotary_cos[positions][:, :, None], self.rotary_sin[positions][:, :, None])
         device_type = idx.device.type  # cast once to the dtype q and k will have, not twice in every layer
         autocast = torch.is_autocast_enabled(device_type)
         compute_dtype = torch.get_autocast_dtype(device_type) if autocast else torch.float32

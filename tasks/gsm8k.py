@@ -73,7 +73,8 @@ def is_correct(reply, reference, lenient=False):
 
 CALCULATOR_MAX_CHARS = 100
 _CALC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_CALC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd)
+_CALC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub,
+               ast.UAdd)
 
 
 def calculator(expr):
@@ -136,7 +137,8 @@ def read_jsonl(path, expected_rows=None):
                 continue
             try:
                 row = json.loads(line.decode("utf-8"))
-                if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                        and isinstance(row.get("answer"), str)):
                     raise ValueError("no question/answer strings")
                 if extract_answer(row["answer"]) is None:
                     raise ValueError("answer has no '#### <number>' line")
@@ -152,7 +154,8 @@ def read_jsonl(path, expected_rows=None):
 
 
 def cache_dir():
-    return os.path.join(os.environ.get("NANOGRPO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo"), "gsm8k")
+    cache = os.environ.get("NANOGRPO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanogrpo")
+    return os.path.join(cache, "gsm8k")
 
 
 def download(split, path, url):
@@ -176,7 +179,8 @@ def download(split, path, url):
         os.unlink(tmp)
         if isinstance(e, OSError):
             raise RuntimeError(f"could not download GSM8K {split} from {url} ({e}). Offline? Put the official "
-                               f"{split}.jsonl in a directory and pass --gsm8k-dir DIR (or set NANOGRPO_GSM8K_DIR)") from None
+                               f"{split}.jsonl in a directory and pass --gsm8k-dir DIR (or set "
+                               "NANOGRPO_GSM8K_DIR)") from None
         raise
 
 
@@ -188,7 +192,8 @@ def ends_with_answer_line(reply_text):
 
 def find_split(split, data_dir=None, url=OFFICIAL_URL):
     """The path of {split}.jsonl, downloading it into the cache if no local copy exists."""
-    for where, directory in (("data_dir / --gsm8k-dir", data_dir), ("$NANOGRPO_GSM8K_DIR", os.environ.get("NANOGRPO_GSM8K_DIR"))):
+    for where, directory in (("data_dir / --gsm8k-dir", data_dir),
+                             ("$NANOGRPO_GSM8K_DIR", os.environ.get("NANOGRPO_GSM8K_DIR"))):
         if directory:
             path = os.path.join(directory, f"{split}.jsonl")
             if not os.path.isfile(path):

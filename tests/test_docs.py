@@ -90,3 +90,11 @@ def test_relative_links_point_at_files(path):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         assert os.path.exists(os.path.join(os.path.dirname(path), target.split("#")[0])), f"{path}: {target}"
+
+
+def test_no_line_of_the_trainer_is_over_120_characters():
+    sources = [os.path.join(ROOT, name) for name in ("grpo.py", "model.py")] + glob.glob(os.path.join(ROOT, "tasks",
+                                                                                                      "*.py"))
+    long_lines = [f"{os.path.relpath(path, ROOT)}:{number}" for path in sources
+                  for number, line in enumerate(open(path, encoding="utf-8"), 1) if len(line.rstrip("\n")) > 120]
+    assert not long_lines

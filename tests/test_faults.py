@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -489,36 +490,50 @@ def test_a_resumed_runs_wall_time_counts_every_segment(tmp_path, run_killed_afte
 
 # ---------------------------------------------------------------------------- end to end: the messages a user sees
 
-def run_script(*argv, limit_file_bytes=None):
+def start_script(*argv, limit_file_bytes=None):
     def limit():  # a file system that is full beyond this many bytes per file: writes fail with EFBIG
         import resource
         import signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, preexec_fn=limit if limit_file_bytes else None)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "grpo.py"), *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=limit if limit_file_bytes else None)
+
+
+def finished(process):
+    _, stderr = process.communicate(timeout=300)
+    return SimpleNamespace(returncode=process.returncode, stderr=stderr)
 
 
 def test_end_to_end_messages(pristine, tmp_path):
-    w = tmp_path / "w"
-    shutil.copytree(pristine, w)
-    write(w, f"{CK}/model_000002.pt", lambda d: d[:500])
-    result = run_script(*flags(w, "--resume"))
+    # three runs in their own copies of the run folder, started at once: one interpreter start-up to wait for
+    damaged, full, hostile = (tmp_path / name for name in ("damaged", "full", "hostile"))
+    for w in (damaged, full, hostile):
+        shutil.copytree(pristine, w)
+    write(damaged, f"{CK}/model_000002.pt", lambda d: d[:500])
+    # a crafted tokenizer.pkl beside the start checkpoint: refused, and what it names never runs
+    write(hostile, "runs/base/tokenizer/tokenizer.pkl", pickle.dumps(RunsCode(str(hostile / "ran"))))
+    processes = [start_script(*flags(damaged, "--resume")),
+                 # a checkpoint too large for the disk: the first save fails, the message says nothing was saved
+                 start_script(*flags(full, "--num-steps", "1", "--n-embd", "256", name="big"),
+                              limit_file_bytes=500_000),
+                 start_script(*flags(hostile, "--init", str(hostile / CK), "--init-step", "1", name="hostile"))]
+    result = finished(processes[0])
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "model_000002.pt is damaged" in result.stderr
-    # a checkpoint too large for the disk: the first save fails, the message says nothing was saved
-    result = run_script(*flags(w, "--num-steps", "1", "--n-embd", "256", name="big"), limit_file_bytes=500_000)
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "model_000002.pt is damaged" in result.stderr
+    result = finished(processes[1])
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: cannot write ") and "File too large" in last and "No checkpoint of this run was saved" in last
+    assert last.startswith("error: cannot write ") and "File too large" in last
+    assert "No checkpoint of this run was saved" in last
     # the advice that works (test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over runs it)
     assert last.endswith("start it over from step 0 with the same command and --resume")
-    assert not [f for _, _, files in os.walk(w / "runs" / "big") for f in files if f.startswith(".tmp_")]
-    # a crafted tokenizer.pkl beside the start checkpoint: refused, and what it names never runs
-    write(w, "runs/base/tokenizer/tokenizer.pkl", pickle.dumps(RunsCode(str(w / "ran"))))
-    result = run_script(*flags(w, "--init", str(w / CK), "--init-step", "1", name="hostile"))
-    assert result.returncode == 1 and "Traceback" not in result.stderr and "refused" in result.stderr.strip().splitlines()[-1]
-    assert not os.path.exists(w / "ran")
+    assert not [f for _, _, files in os.walk(full / "runs" / "big") for f in files if f.startswith(".tmp_")]
+    result = finished(processes[2])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "refused" in result.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(hostile / "ran")
 
 
 def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):

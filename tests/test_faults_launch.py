@@ -220,13 +220,13 @@ def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
 
 
 def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
-    argv = flags(tmp_path, "--num-steps", "100000", "--dist-timeout", "5", name="stuck")
+    argv = flags(tmp_path, "--num-steps", "100000", "--dist-timeout", "3", name="stuck")
     log = tmp_path / "job.txt"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
                             "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     stopped = None
-    message = "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 5 s"
+    message = "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 3 s"
     try:
         wait_for(lambda: len(train_lines(tmp_path / "runs" / "stuck")) >= 2, 120, "two steps")
         children = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()

@@ -601,23 +601,30 @@ def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, 
 SMEAR_BACKOUT = os.path.join(FIXTURES, "smear-backout", "base", "chatsft_checkpoints", "d4")
 
 
-def launch_ranks(flags, logs, port, world_size=2):
-    """The ranks as torchrun starts them (its environment variables), without torchrun's own interpreter:
-    test_faults_launch.py runs jobs through torchrun itself."""
+def launch_ranks(runs, logs, port, world_size=2):
+    """Runs (flag lists), one after the other, on ranks as torchrun starts them (its environment variables), without
+    torchrun's own interpreter, and all in one launch (tests/rank_runs.py): test_faults_launch.py runs jobs through
+    torchrun itself. -> a function that waits for the ranks and fails with their output if one failed."""
+    listing = logs[0].parent / f"{logs[0].stem}-runs.json"
+    listing.write_text(json.dumps(runs))
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    ranks = [subprocess.Popen([sys.executable, "grpo.py", *flags], cwd=ROOT, stdout=open(logs[r], "w"),
-                              stderr=subprocess.STDOUT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+    ranks = [subprocess.Popen([sys.executable, os.path.join("tests", "rank_runs.py"), str(listing)], cwd=ROOT,
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(world_size)]
-    try:
-        for rank, log in zip(ranks, logs):
-            try:
-                assert rank.wait(timeout=300) == 0, log.read_text()
-            except subprocess.TimeoutExpired:  # what each rank got to (was the port taken by another run?)
-                raise AssertionError("\n".join(log.read_text()[-2000:] for log in logs)) from None
-    finally:  # a rank that failed leaves the other waiting for it
-        for rank in ranks:
-            rank.kill()
+
+    def wait():
+        try:
+            for rank, log in zip(ranks, logs):
+                try:
+                    assert rank.wait(timeout=300) == 0, log.read_text()
+                except subprocess.TimeoutExpired:  # what each rank got to (was the port taken by another run?)
+                    raise AssertionError("\n".join(log.read_text()[-2000:] for log in logs)) from None
+        finally:  # a rank that failed leaves the other waiting for it
+            for rank in ranks:
+                rank.kill()
+    return wait
 
 
 def in_this_process(flags):
@@ -629,51 +636,75 @@ def in_this_process(flags):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("setting,port", [("muon", "29533"), ("adamw-2-minibatches", "29534"), ("muon-v5", "29535"),
-                                          ("lora", "29537")])
-def test_ddp_steps_equal_single_process_steps(tmp_path, setting, port):
-    # 3 steps on 2 ranks (the optimizer sharded, as by default), against one process. Evals on 7 problems: the ranks
-    # split them unevenly, and their sums must still give the single-process numbers. Two minibatches: each rank's
-    # share of a minibatch must be its share of the single process's minibatch. The ranks sum the gradient in
-    # another order than one process, so the weights differ in their last bits after the first step; AdamW's steps
-    # on embedding rows that barely get a gradient (~ lr * sign(g) with eps 1e-10) and Muon's orthogonalisation
-    # then amplify that: with Muon the weights are compared after step 1 here, and after step 3 against 2 ranks
-    # that do not shard, which sum in the same order (tests/bench_ranks.py measures the drift).
-    extra = ["--entropy-coef", "0"] * (setting != "lora") + {
-        "muon": [], "adamw-2-minibatches": ["--optimizer", "adamw", "--num-minibatches", "2"],
-        "muon-v5": ["--optimizer-version", "v5"],
-        # the random fixture model never sorts: all rewards equal, the entropy bonus is what moves the adapters
-        "lora": ["--init", SMEAR_BACKOUT, "--lora-rank", "4", "--lora-lr", "1e-2", "--entropy-coef", "0.01"]
-    }[setting]
+# The rank tests' settings: 3 steps on 2 ranks (the optimizer sharded, as by default), against one process. Evals on 7
+# problems: the ranks split them unevenly, and their sums must still give the single-process numbers. Two
+# minibatches: each rank's share of a minibatch must be its share of the single process's minibatch.
+RANK_SETTINGS = {
+    "muon-v1": ["--entropy-coef", "0", "--optimizer-version", "v1"],
+    "adamw-2-minibatches": ["--entropy-coef", "0", "--optimizer", "adamw", "--num-minibatches", "2"],
+    "muon-v5": ["--entropy-coef", "0", "--optimizer-version", "v5"],
+    # the random fixture model never sorts: all rewards equal, the entropy bonus is what moves the adapters
+    "lora": ["--init", SMEAR_BACKOUT, "--lora-rank", "4", "--lora-lr", "1e-2", "--entropy-coef", "0.01"],
+}
+
+
+def rank_test_flags(root, setting, name, *more):
+    return run_flags(root, name, "--num-steps", "3", "--save-every", "1", "--algo", "grpo", "--device-batch-size", "4",
+                     "--lr", "1e-3", "--eval-every", "3", "--eval-examples", "7", "--final-eval-examples", "7",
+                     "--pass-k", "2", *RANK_SETTINGS[setting], *more)
+
+
+def resume_test_flags(root, name, *more):
+    return run_flags(root, name, "--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer", "adamw",
+                     "--lr", "1e-3", "--entropy-coef", "0", "--device-batch-size", "4", *more)
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory):
+    """Every 2-rank run the rank tests compare, in one launch, and meanwhile the same runs in this process: for
+    each setting <setting>-ddp and <setting>-single; muon-v5-whole (2 ranks, not sharded); resume-ddp and
+    resume-single (the start of the resume test). -> the folder of their run folders."""
+    root = tmp_path_factory.mktemp("ranks")
+    settings = [s for s in RANK_SETTINGS if s != "lora" or os.path.isdir(SMEAR_BACKOUT)]
+    ddp = [rank_test_flags(root, s, f"{s}-ddp") for s in settings]
+    ddp += [rank_test_flags(root, "muon-v5", "muon-v5-whole", "--no-shard-optimizer"),
+            resume_test_flags(root, "resume-ddp")]
+    wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], "29533")
+    for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings] + [resume_test_flags(root, "resume-single")]:
+        in_this_process(flags)
+    wait()
+    return root
+
+
+@pytest.mark.parametrize("setting", list(RANK_SETTINGS))
+def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
+    # The ranks sum the gradient in another order than one process, so the weights differ in their last bits after
+    # the first step; AdamW's steps on embedding rows that barely get a gradient (~ lr * sign(g) with eps 1e-10) and
+    # Muon's orthogonalisation then amplify that: with Muon the weights are compared after step 1 here, and after
+    # step 3 against 2 ranks that do not shard, which sum in the same order (tests/bench_ranks.py measures the drift).
     if setting == "lora" and not os.path.isdir(SMEAR_BACKOUT):
         pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
-    flags = run_flags(tmp_path, "x", "--num-steps", "3", "--save-every", "1", "--algo", "grpo", "--device-batch-size",
-                      "4", "--lr", "1e-3", "--eval-every", "3", "--eval-examples", "7", "--final-eval-examples", "7",
-                      "--pass-k", "2", *extra)
-
-    def named(name, *more):
-        return flags[:flags.index("--run-name") + 1] + [name] + flags[flags.index("--run-name") + 2:] + list(more)
-
-    in_this_process(named("single"))
-    launch_ranks(named("ddp"), [tmp_path / f"rank{r}.txt" for r in range(2)], port)
     tag = "d4" if setting == "lora" else "d2"
 
     def weights(name, step):
-        return load_checkpoint(str(tmp_path / name / "chatrl_checkpoints" / tag), step)[0].state_dict()
+        return load_checkpoint(str(rank_runs / name / "chatrl_checkpoints" / tag), step)[0].state_dict()
 
+    single, ddp = f"{setting}-single", f"{setting}-ddp"
     start = (load_checkpoint(SMEAR_BACKOUT)[0] if setting == "lora" else GPT(GPTConfig(**json.load(open(
-        tmp_path / "single" / "chatrl_checkpoints" / tag / "meta_000003.json"))["model_config"])).init_weights(0))
+        rank_runs / single / "chatrl_checkpoints" / tag / "meta_000003.json"))["model_config"])).init_weights(0))
+    config = json.load(open(rank_runs / ddp / "config.json"))
+    assert config["world_size"] == 2 and config["optimizer_version"] == (
+        setting[-2:] if setting.startswith("muon") else config["optimizer_version"])
     compared = 1 if setting.startswith("muon") else 3
-    a, b = weights("single", compared), weights("ddp", compared)
+    a, b = weights(single, compared), weights(ddp, compared)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    assert any(not torch.equal(v, start.state_dict()[k]) for k, v in weights("ddp", 3).items())  # steps were taken
+    assert any(not torch.equal(v, start.state_dict()[k]) for k, v in weights(ddp, 3).items())  # steps were taken
     if setting == "muon-v5":  # sharded or not, 2 ranks add the same two gradients: the same weights, bit for bit
-        launch_ranks(named("ddp-whole", "--no-shard-optimizer"), [tmp_path / f"whole{r}.txt" for r in range(2)], port)
-        whole = weights("ddp-whole", 3)
-        for k, v in weights("ddp", 3).items():
+        whole = weights("muon-v5-whole", 3)
+        for k, v in weights(ddp, 3).items():
             assert torch.equal(v, whole[k]), k
-    logs = [[json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("single", "ddp")]
+    logs = [[json.loads(line) for line in open(rank_runs / n / "metrics.jsonl")] for n in (single, ddp)]
     train = [[m for m in log if "reward" in m] for log in logs]
     assert train[0][0]["reward"] == train[1][0]["reward"]
     assert train[0][0]["loss"] == pytest.approx(train[1][0]["loss"], abs=1e-6)
@@ -685,29 +716,27 @@ def test_ddp_steps_equal_single_process_steps(tmp_path, setting, port):
     assert evals[0][0] == pytest.approx(evals[1][0])
 
 
-def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(tmp_path, capsys):
+def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, tmp_path, capsys):
     # the training state holds the whole optimizer state, gathered from its owners: any number of ranks resumes
     # from it, each keeping its own share. 2 -> 2 is exact; 2 -> 1 and 1 -> 2 go on within the rank tests' tolerance.
-    def flags(name, *extra):
-        return run_flags(tmp_path, name, "--num-steps", "4", "--save-every", "2", "--algo", "grpo", "--optimizer",
-                         "adamw", "--lr", "1e-3", "--entropy-coef", "0", "--device-batch-size", "4", *extra)
-
-    in_this_process(flags("single"))
-    launch_ranks(flags("ddp"), [tmp_path / f"ddp{r}.txt" for r in range(2)], "29538")
-    straight = {name: final_state(tmp_path, name, 4) for name in ("single", "ddp")}
-    for source, ranks, name, port in (("ddp", 2, "ddp-on-2", "29539"), ("ddp", 1, "ddp-on-1", None),
-                                      ("single", 2, "single-on-2", "29540")):
-        shutil.copytree(tmp_path / source, tmp_path / name)
+    straight = {name: final_state(rank_runs, f"resume-{name}", 4) for name in ("single", "ddp")}
+    resumes = {"ddp-on-2": ("ddp", 2), "ddp-on-1": ("ddp", 1), "single-on-2": ("single", 2)}
+    for name, (source, _) in resumes.items():
+        shutil.copytree(rank_runs / f"resume-{source}", tmp_path / name)
         for path in (tmp_path / name / "chatrl_checkpoints" / "d2").glob("*_000004.*"):
             path.unlink()  # as if the run had stopped after its step-2 checkpoint
-        capsys.readouterr()
-        if ranks == 2:
-            launch_ranks(flags(name, "--resume"), [tmp_path / f"{name}{r}.txt" for r in range(2)], port)
-            log = (tmp_path / f"{name}0.txt").read_text()
-        else:
-            in_this_process(flags(name, "--resume"))
-            log = capsys.readouterr().out
-        assert "resumed from step 2" in log
+    on_2 = [name for name, (_, ranks) in resumes.items() if ranks == 2]
+    wait = launch_ranks([resume_test_flags(tmp_path, name, "--resume") for name in on_2],
+                        [tmp_path / f"rank{r}.txt" for r in range(2)], "29539")
+    capsys.readouterr()
+    in_this_process(resume_test_flags(tmp_path, "ddp-on-1", "--resume"))
+    logs = {"ddp-on-1": capsys.readouterr().out}
+    wait()
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    assert "resumed from step 2" in logs["ddp-on-1"] and rank0.count("resumed from step 2") == len(on_2)
+    logs.update(zip(on_2, rank0.split("resumed from step 2")))  # each run's log, up to its resume line
+    for name, (source, _) in resumes.items():
+        log = logs[name]
         assert ("world_size 2 -> 1" in log) == (name == "ddp-on-1") and ("world_size 1 -> 2" in log) == (
             name == "single-on-2")
         resumed = final_state(tmp_path, name, 4)
