@@ -493,8 +493,11 @@ def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
         values, indices = raw_logits, None
     probs = F.softmax(softcap_logits(values, softcap) / temperature, dim=-1)
     cdf = probs.cumsum(dim=-1)
-    choice = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.size(-1) - 1)  # [N, 1]
-    # a drawn token has probability > 0: the inverse CDF never lands on an empty interval
+    # The first token whose cdf exceeds the draw (right side), the draw held below the total: that token's cdf is
+    # above the one before it, so its probability is > 0, also for a draw of exactly 0 before tokens of probability
+    # 0 (the left side would take the first of them) and for a draw that rounds up to the total after them.
+    draw = torch.minimum(uniform[:, None] * cdf[:, -1:], torch.nextafter(cdf[:, -1:], torch.zeros_like(cdf[:, -1:])))
+    choice = torch.searchsorted(cdf, draw, right=True)  # [N, 1]
     logprob = torch.log(probs.gather(1, choice) / cdf[:, -1:]).squeeze(1)
     return (choice if indices is None else indices.gather(1, choice)).squeeze(1), logprob
 

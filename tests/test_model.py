@@ -315,3 +315,14 @@ def test_a_mapped_load_reads_torchs_legacy_format_and_names_a_damaged_file(tmp_p
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="bad.pt is damaged or not a checkpoint file"):
         load_tensors(str(tmp_path / "bad.pt"), mmap=True)
+
+
+def test_the_sampler_never_draws_a_token_of_probability_zero():
+    from model import sample_tokens
+    # tokens 0, 1 and 4 underflow to probability 0 at this temperature; draws at both ends of [0, 1)
+    logits = torch.tensor([[-30.0, -30.0, 0.0, 0.5, -30.0]]).repeat(4, 1)
+    uniform = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 2 ** -24])
+    tokens, logprobs = sample_tokens(logits, 0.1, 0, uniform, 15.0)
+    assert tokens.tolist() == [2, 3, 3, 2] and torch.isfinite(logprobs).all()
+    tokens, logprobs = sample_tokens(logits, 0.1, 4, uniform, 15.0)  # top-k keeps a token of probability 0
+    assert tokens.tolist() == [3, 2, 3, 3] and torch.isfinite(logprobs).all()  # the k in descending order
