@@ -13,7 +13,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     A_i       = r_i - mean(r)   (--advantage mean);  / (std(r) + eps)   (zscore);  * G / (G - 1)   (rloo)
     rho_t     = pi_theta(o_t) / pi_old(o_t)
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
-    kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)
+    kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)   (or in the reward: r_i - beta sum_t k1_t)
     H_t       = entropy of pi_theta at the token's position (the full distribution)
     loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
                 (nanochat | token | sequence | constant)
@@ -100,7 +100,10 @@ arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
 arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (default: --clip-eps)")
 arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)")
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
-arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator")
+arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
+    "KL's gradient each gives)")
+arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
+    "or beta x each reply's summed k1 subtracted from its reward before the advantages")
 arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
     help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
 arg("--ref-offload", action="store_true",
@@ -249,8 +252,10 @@ def group_advantages(rewards, kind, eps=1e-4):
         return centered
     if kind == "rloo":  # RLOO: baseline = mean of the other G - 1 rewards, i.e. G / (G - 1) * (r_i - mean(r))
         return centered * (G / (G - 1))
-    if kind == "batch":  # group mean, std of the whole step's rewards over all ranks (Lite PPO, REINFORCE++-baseline)
-        count, total, squares = all_reduce(torch.stack([torch.tensor(rewards.numel(), dtype=torch.float64),
+    if kind == "batch":  # group mean, / the std of the whole step's raw rewards over all ranks (Lite PPO; TRL's
+        # scale_rewards="batch"). REINFORCE++-baseline divides by the std of the centred advantages instead.
+        count, total, squares = all_reduce(torch.stack([torch.tensor(rewards.numel(), dtype=torch.float64,
+                                                                     device=rewards.device),
                                                         rewards.double().sum(), rewards.double().square().sum()]))
         return centered / (((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float() + eps)
     # z-score, with the unbiased std (as the common GRPO implementations)
@@ -280,13 +285,33 @@ def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator):
-    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens [B, T]."""
-    log_ratio = ref_logprobs - logprobs  # log(pi_ref / pi_theta)
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens [B, T]: its value. Its gradient is taken
+    with the tokens held fixed, though they were drawn from pi_theta; in expectation over o ~ pi_theta, with
+    d = log pi(o) - log pi_ref(o) and E[f(o) grad log pi(o)] = sum_o f(o) grad pi(o):
+      k1 = d:                     grad d = grad log pi, whose expectation is sum_o grad pi(o) = 0; so k1 carries the
+                                  score-function term d grad log pi instead (its value stays d): the gradient of
+                                  KL(pi_theta || pi_ref) = sum_o grad pi(o) d(o)
+      k2 = d^2 / 2:               d grad log pi, the same: the gradient of KL(pi_theta || pi_ref)
+      k3 = e^-d + d - 1 (DeepSeekMath): (1 - pi_ref / pi) grad log pi, whose expectation is
+                                  -sum_o pi_ref(o) grad log pi(o): the gradient of KL(pi_ref || pi_theta), the
+                                  forward KL, though its value estimates the reverse one without bias
+    Per position: the prefix's own probability is not differentiated (the reward placement's sum over the reply
+    is)."""
+    log_ratio = logprobs - ref_logprobs  # d = log(pi_theta / pi_ref)
     if estimator == "k1":
-        return -log_ratio
+        return log_ratio.detach() * (1 + logprobs - logprobs.detach())  # value d, gradient d grad log pi
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    return torch.exp(log_ratio) - log_ratio - 1  # k3 (DeepSeekMath): unbiased, always >= 0
+    return torch.exp(-log_ratio) + log_ratio - 1  # k3: always >= 0
+
+
+@torch.no_grad()
+def kl_reward_penalty(old_logprobs, ref_logprobs, loss_mask, kl_coef):
+    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over its policy tokens
+    ([N, T] -> [N]), to subtract from its reward before the advantages (detached: a reward, not a loss term).
+    Through the policy term its expected gradient is beta x that of KL(pi_theta || pi_ref) of whole replies, the
+    unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it like any reward."""
+    return kl_coef * ((old_logprobs - ref_logprobs) * loss_mask).sum(dim=1)
 
 
 def pass_normalisers(loss_mask, G, pass_size):
@@ -326,8 +351,9 @@ def aggregate(per_token, loss_mask, kind, denominator):
 
 
 def rollout_weights(sampler_gap, kind, cap):
-    """Per-token weights [B, T] of the policy term from log(pi_old / pi_sampler) [B, T], detached. tis (truncated
-    importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap], else 0."""
+    """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
+    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
+    else 0."""
     ratio = torch.exp(sampler_gap)
     return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
 
@@ -348,15 +374,20 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
     policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high, args.clip_ratio_c)
     sampler_gap = old - torch.where(keep, sampler_logprobs, 0.0)  # log pi_old - log pi_sampler, [B, T]
     if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
-        policy = policy * rollout_weights(sampler_gap, args.rollout_correction, args.rollout_correction_cap)
+        # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
+        gap = sequence_log_ratio(sampler_gap, loss_mask) if args.ratio_level == "sequence" else sampler_gap
+        policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
     parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
                  sampler_gap=sampler_gap)
     loss = loss_policy
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
+        if args.kl_placement == "reward":  # it is in the advantages already (kl_reward_penalty): logged only
+            kl = kl.detach()
         parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
-        loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
+        if args.kl_placement == "loss":
+            loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
     if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
         loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
     return loss, parts
@@ -407,7 +438,9 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
     more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
     if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
-    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them; rounds)"""
+    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
+    "drawn": the reward terms, task rewards and rewards [R * P, ...] of every group sampled, for the policy's own
+    reward in the log; rounds)"""
     wanted, G = len(first["prompts"]), args.num_samples
     parts, differing = [first], [~equal_groups(first["rewards"])]  # differing: [P] bool per round
     while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
@@ -420,7 +453,8 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
             for g in range(len(d)) if bool(d[g]) == want][:wanted]
     groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
     samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
-    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples), len(parts)
+    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards")}
+    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
 
 
 # -----------------------------------------------------------------------------
@@ -429,10 +463,12 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
 def make_batch(prompts, samples, rewards, args):
     """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
     padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
-    The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding."""
+    The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
+    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device."""
     G = args.num_samples
     lengths = samples["lengths"].tolist()
-    T = max(len(prompts[row // G]) + lengths[row] for row in range(len(lengths))) - 1
+    widths = [len(prompts[row // G]) + lengths[row] - 1 for row in range(len(lengths))]  # input tokens per row
+    T = max(widths)
     tokens, mask, logprobs = (samples[k].tolist() for k in ("tokens", "mask", "logprobs"))  # one copy each, not per row
     rows = dict(input_ids=[], target_ids=[], loss_mask=[], sampler_logprobs=[])  # sampler: log pi_sampler, as drawn
     for row, length in enumerate(lengths):
@@ -453,79 +489,119 @@ def make_batch(prompts, samples, rewards, args):
         loss_mask *= (~samples["truncated"])[:, None]
     advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
     batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
-                 sampler_logprobs=sampler_logprobs, equal_groups=equal)  # [P], logged
+                 sampler_logprobs=sampler_logprobs, rewards=rewards, equal_groups=equal,  # [P], logged
+                 widths=torch.tensor(widths))  # [N]
     if args.aggregation == "nanochat":
         batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
+    batch["micro_batches"], batch["minibatch_counts"] = plan_micro_batches(batch, args)
     return batch
 
 
+def plan_micro_batches(batch, args):
+    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
+    rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch). Minibatch j takes the replies
+    whose global row number is j modulo num_minibatches: each rank holds a contiguous block of N rows, so the union
+    over ranks of a minibatch is one process's and any number of ranks takes the same steps. In a minibatch each
+    question's replies go longest first, and runs of --device-batch-size rows (memory only) make the micro-batches,
+    each cut to its own longest row: little padding, and micro-batches that do not depend on the number of ranks
+    (sorting across questions would mix rows that different ranks hold). Each carries its positions in the loss
+    (flat indices), so that the forward passes never ask the device which they are (a host sync per pass)."""
+    widths = batch["widths"].tolist()
+    N, G = len(widths), args.num_samples
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    micro_batches, counts = [], []
+    for j in range(args.num_minibatches):
+        rows = [r for r in range(N) if (rank * N + r) % args.num_minibatches == j]
+        counts.append([float(aggregation_count(batch["loss_mask"][rows], args.aggregation, args.max_new_tokens)),
+                       float(batch["loss_mask"][rows].sum())])
+        rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
+        for i in range(0, len(rows), args.device_batch_size):
+            chunk = torch.tensor(rows[i:i + args.device_batch_size])
+            width = max(widths[r] for r in rows[i:i + args.device_batch_size])
+            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampler_logprobs")}
+            mb.update(minibatch=j, rows=chunk, positions=mb["loss_mask"].flatten().nonzero().squeeze(1))  # [K]
+            micro_batches.append(mb)
+    return micro_batches, torch.tensor(counts, dtype=torch.float64)
+
+
+def to_device(batch, device):
+    """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
+    def move(value):
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return [move(v) for v in value] if isinstance(value, list) else value
+    return move(batch)
+
+
 @torch.no_grad()
-def frozen_logprobs(net, batch, micro_batches, args, autocast):
-    """Log-probs [N, T] of the batch under a net that does not train (pi_old, pi_ref), micro-batch by micro-batch."""
-    logprobs = torch.zeros_like(batch["loss_mask"])
+def frozen_logprobs(net, micro_batches, args, autocast):
+    """Log-probs of the micro-batches under a net that does not train (pi_old, pi_ref): one [B, width] each."""
     with autocast:
-        for mb in micro_batches:
-            logprobs[mb] = net.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb], args.temperature,
-                                              where=batch["loss_mask"][mb] > 0)
-    return logprobs
-
-
-def split_minibatches(N, device, args):
-    """-> num_minibatches lists of micro-batches (row indices, --device-batch-size at most: memory only). Minibatch
-    j takes the replies whose global row number is j modulo num_minibatches. Each rank holds a contiguous block of
-    N rows, so the union over ranks of a minibatch is one process's: any number of ranks takes the same steps."""
-    rows = torch.arange(N, device=device)
-    global_rows = (dist.get_rank() if dist.is_initialized() else 0) * N + rows
-    return [list(rows[global_rows % args.num_minibatches == j].split(args.device_batch_size))
-            for j in range(args.num_minibatches)]
+        return [net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, positions=mb["positions"])
+                for mb in micro_batches]
 
 
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None):
     """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
-    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight."""
-    loss_mask, advantages = batch["loss_mask"], batch["advantages"][:, None]  # [N, T], [N, 1]
-    minibatches = split_minibatches(loss_mask.size(0), loss_mask.device, args)
-    micro_batches = [mb for minibatch in minibatches for mb in minibatch]
+    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
+    With --kl-placement reward the batch's advantages are rebuilt here, from rewards minus the KL."""
+    micro_batches = batch["micro_batches"]
+    minibatches = [[i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j]
+                   for j in range(args.num_minibatches)]
+    # every minibatch's normaliser and policy tokens, summed over ranks: one read from the device per update
+    counts = all_reduce(batch["minibatch_counts"].to(batch["advantages"].device)).tolist()
     # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
     # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
-    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now.
+    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
+    # all of them when the KL is a reward term, which needs pi_old before the advantages.
     start = time.time()
-    after_first_step = [mb for minibatch in minibatches[1:] for mb in minibatch]
-    old_logprobs = (frozen_logprobs(model, batch, after_first_step, args, autocast) if after_first_step
-                    else torch.zeros_like(loss_mask))  # [N, T]
+    kl_in_reward = ref_model is not None and args.kl_placement == "reward"
+    first = [] if kl_in_reward else minibatches[0]
+    old_logprobs = [None] * len(micro_batches)
+    later = [i for i in range(len(micro_batches)) if i not in first]
+    for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
+        old_logprobs[i] = logprobs
     ref_logprobs = None
     if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
-        with ref_model.lora_disabled(), on_device(ref_model, loss_mask.device) if args.ref_offload else nullcontext():
-            ref_logprobs = frozen_logprobs(ref_model, batch, micro_batches, args, autocast)
+        with ref_model.lora_disabled(), on_device(ref_model, batch["advantages"].device) if args.ref_offload \
+                else nullcontext():
+            ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
+    if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
+        penalty = torch.zeros_like(batch["advantages"])  # [N]
+        for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
+            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["loss_mask"], args.kl_coef)
+        rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
+        batch["advantages"] = group_advantages(rewards, args.advantage).flatten()
+    advantages = batch["advantages"][:, None]  # [N, 1]
     time_logprobs = time.time() - start
 
-    stats = update_stats(loss_mask.device)
+    stats = update_stats(advantages.device)
     model.train()
     for _ in range(args.ppo_epochs):
-        for minibatch in minibatches:
-            counts = [aggregation_count(loss_mask[mb], args.aggregation, args.max_new_tokens) for mb in minibatch]
-            local = torch.stack([torch.stack(counts).sum().float(), sum(loss_mask[mb].sum() for mb in minibatch)])
-            denominator, tokens = all_reduce(local)  # over all ranks: the minibatch's normaliser and policy tokens
+        for j, minibatch in enumerate(minibatches):
+            denominator, tokens = counts[j]
             if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
                 stats["empty_updates"] += 1
                 continue
-            minibatch_loss = torch.zeros((), dtype=torch.float64, device=loss_mask.device)
-            for mb in minibatch:
+            minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
+            for i in minibatch:
+                mb = micro_batches[i]
                 with autocast:
-                    logprobs, entropy = model.token_logprobs(batch["input_ids"][mb], batch["target_ids"][mb],
-                                                             args.temperature, with_entropy=True,
-                                                             where=loss_mask[mb] > 0)
+                    logprobs, entropy = model.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature,
+                                                             with_entropy=True, positions=mb["positions"])
                 if not stats["stepped"]:
-                    old_logprobs[mb] = logprobs.detach()
-                mb_denominator = (denominator * batch["pass_normalisers"][mb][:, None] if args.aggregation == "nanochat"
-                                  else denominator)
-                loss, parts = objective(logprobs, entropy, old_logprobs[mb],
-                                        ref_logprobs[mb] if ref_model is not None else None,
-                                        batch["sampler_logprobs"][mb], advantages[mb], loss_mask[mb], mb_denominator,
-                                        args)
+                    old_logprobs[i] = logprobs.detach()
+                mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
+                                  if args.aggregation == "nanochat" else denominator)
+                loss, parts = objective(logprobs, entropy, old_logprobs[i],
+                                        ref_logprobs[i] if ref_model is not None else None,
+                                        mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
+                                        mb_denominator, args)
                 loss.backward()
                 minibatch_loss += loss.detach()
-                add_micro_batch_stats(stats, loss, parts, loss_mask[mb])
+                add_micro_batch_stats(stats, loss, parts, mb["loss_mask"])
             # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
             reduce_gradients([p for p in model.parameters() if p.requires_grad], owners)
             if not torch.isfinite(all_reduce(minibatch_loss.clone())):
@@ -568,8 +644,7 @@ def train(args, run):
         time_sample = time.time() - step_start
 
         # 3. Build the batch with group-relative advantages; 4-5. update the policy.
-        batch = make_batch(groups["prompts"], groups["samples"], groups["rewards"], args)
-        batch = {k: v.to(run.device) for k, v in batch.items()}
+        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args), run.device)
         update_start = time.time()
         stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners)
 
@@ -1364,11 +1439,16 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
-    task_rewards, samples = groups["task_rewards"], groups["samples"]
+    samples = groups["samples"]
+    # the policy's own rewards: of every group it sampled, also those dynamic sampling left out ("drawn")
+    drawn = groups.get("drawn", groups)
     names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    local = dict(zip(names, groups["terms"].flatten(0, 1).sum(dim=0)))
-    local.update(groups=len(groups["prompts"]), replies=task_rewards.numel(), reward=task_rewards.sum(),
-                 reward_group_std=groups["rewards"].std(dim=1).sum(), equal_groups=batch["equal_groups"].sum(),
+    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
+    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
+                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
+                 equal_groups=equal_groups(drawn["rewards"]).sum(), kept_groups=len(groups["prompts"]),
+                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
+                 equal_groups_kept=batch["equal_groups"].sum(),
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
@@ -1378,8 +1458,12 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "reward_group_std": sums["reward_group_std"] / sums["groups"],
                "equal_group_frac": sums["equal_groups"] / sums["groups"],
                **{name: sums[name] / sums["replies"] for name in names}, **stats,
-               "reply_len": sums["tokens"] / sums["replies"], "truncated_frac": sums["truncated"] / sums["replies"],
-               "overlong_penalty": sums["overlong_penalty"] / sums["replies"],
+               **({"reward_kept": sums["reward_kept"] / sums["kept_replies"],
+                   "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups
+                  else {}),  # dynamic sampling: what the update saw, the groups it kept
+               "reply_len": sums["tokens"] / sums["kept_replies"],
+               "truncated_frac": sums["truncated"] / sums["kept_replies"],
+               "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
                "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens"] / times["time_sample"],
                "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
@@ -1449,7 +1533,7 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
                   "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
-STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "grad_clip")
+STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
 # steps up to float rounding (another summation order); a change is noted like the step sizes'.
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile")

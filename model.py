@@ -358,11 +358,12 @@ class GPT(nn.Module):
     def forward(self, idx, cache=None, softcap=True):
         return self.logits(self.hidden(idx, cache), softcap)
 
-    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, where=None, chunk_size=16384):
+    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, chunk_size=16384):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
         also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
-        where [B, T] bool: the head runs at these positions only, and the others are 0. The trainer passes the
-        loss mask: a prompt's positions are never in the loss, and the head is much of a forward pass's cost.
+        positions [K] (flat indices into [B * T]): the head runs at these positions only, and the others are 0.
+        The trainer passes those of the loss mask, computed on the host: a prompt's positions are never in the loss,
+        the head is much of a forward pass's cost, and a boolean mask would make the host wait for the device.
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
         chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
@@ -371,9 +372,8 @@ class GPT(nn.Module):
         and both ways give the same numbers."""
         x = (compiled_hidden() if self.use_compile else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
-        if where is not None:
-            at = where.flatten().nonzero().squeeze(1)  # [K]: the positions asked for
-            x, flat_targets = x[at], flat_targets[at]  # [K, C], [K]
+        if positions is not None:
+            x, flat_targets = x[positions], flat_targets[positions]  # [K, C], [K]
 
         def chunk_logprobs(x_chunk, target_chunk):
             logits = self.logits(x_chunk) / temperature  # [chunk, V]
@@ -389,9 +389,9 @@ class GPT(nn.Module):
             args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
             recompute = torch.is_grad_enabled() and args[0].size(0) * self.lm_head.out_features >= CHECKPOINT_LOGITS
             out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
-        results = [torch.cat(parts) for parts in zip(*out)]  # each [B*T], or [K] with where
-        if where is not None:
-            results = [torch.zeros(targets.numel(), device=x.device).index_copy(0, at, r) for r in results]
+        results = [torch.cat(parts) for parts in zip(*out)]  # each [B*T], or [K] with positions
+        if positions is not None:
+            results = [torch.zeros(targets.numel(), device=x.device).index_copy(0, positions, r) for r in results]
         results = [r.view_as(targets) for r in results]
         return tuple(results) if with_entropy else results[0]
 

@@ -137,7 +137,7 @@ def training_step(model, prompts, algo, compiled):
         rollouts(policy, prompts[:2])  # the decode step compiles here, not in the timed sampling
     samples, time_sample = timed(lambda: rollouts(policy, prompts))
     rewards = torch.rand(args.prompts, args.samples, generator=torch.Generator().manual_seed(0))
-    batch = {k: v.to(device) for k, v in grpo.make_batch(prompts, samples, rewards, step_args).items()}
+    batch = grpo.to_device(grpo.make_batch(prompts, samples, rewards, step_args), device)
     update = lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model)  # noqa: E731
     if compiled:
         _, compile_seconds = timed(update)

@@ -128,8 +128,8 @@ def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
     args = args_for("--algo", "grpo", "--kl-coef", "0", "--lr", "0.05", "--clip-eps", "0.01")
     model, batch = sampled_batch(args)
     stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
-    mask = batch["loss_mask"]
-    assert len(clipped_per_pass) == 2 and not clipped_per_pass[0][0].any()
+    mask = batch["micro_batches"][0]["loss_mask"]  # the one micro-batch: rows longest first, cut to the longest
+    assert len(batch["micro_batches"]) == 1 and len(clipped_per_pass) == 2 and not clipped_per_pass[0][0].any()
     clipped, log_ratio = clipped_per_pass[1]
     low, high = [((clipped * side * mask).sum() / mask.sum()).item() for side in (log_ratio < 0, log_ratio > 0)]
     assert low > 0 and high > 0  # both sides clip here: the split is tested, not just one side
@@ -162,14 +162,13 @@ def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
     # equal the policy's log-probs before any step, in every epoch, bit for bit.
     args = args_for("--algo", "grpo", "--kl-coef", "0", "--num-minibatches", "2", "--device-batch-size", "8")
     model, batch = sampled_batch(args)
-    minibatches = grpo.split_minibatches(batch["loss_mask"].size(0), "cpu", args)
-    before = grpo.frozen_logprobs(model, batch, [mb for minibatch in minibatches for mb in minibatch], args,
-                                  NO_AUTOCAST)
+    before = grpo.frozen_logprobs(model, batch["micro_batches"], args, NO_AUTOCAST)
     received, objective = [], grpo.objective
     monkeypatch.setattr(grpo, "objective", lambda logprobs, entropy, old, *a: received.append(old.clone())
                         or objective(logprobs, entropy, old, *a))
     stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
-    expected = [before[mb] for _ in range(args.ppo_epochs) for minibatch in minibatches for mb in minibatch]
+    order = sorted(range(len(before)), key=lambda i: batch["micro_batches"][i]["minibatch"])  # minibatch by minibatch
+    expected = [before[i] for _ in range(args.ppo_epochs) for i in order]
     assert len(received) == len(expected) > 4
     for old, want in zip(received, expected):
         torch.testing.assert_close(old, want, rtol=0, atol=0)
@@ -184,6 +183,7 @@ def test_an_empty_minibatch_takes_no_optimizer_step():
     grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch["loss_mask"].zero_()  # every group dropped
+    batch["micro_batches"], batch["minibatch_counts"] = grpo.plan_micro_batches(batch, args)
     stats, _ = grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
     assert stats["empty_updates"] == args.ppo_epochs * args.num_minibatches and stats["skipped_updates"] == 0
     for k, v in model.state_dict().items():
@@ -200,9 +200,10 @@ def test_infinite_terms_at_masked_positions_change_nothing(monkeypatch):
     ref_model = GPT(model.config)
     grads = []
     for poison in (False, True):
-        def ref_logprobs(net, batch, micro_batches, args, autocast, poison=poison):
-            ref = model.token_logprobs(batch["input_ids"], batch["target_ids"]).detach() - 0.1
-            return ref.masked_fill(masked, 1e4) if poison else ref
+        def ref_logprobs(net, micro_batches, args, autocast, poison=poison):
+            refs = [model.token_logprobs(mb["input_ids"], mb["target_ids"]).detach() - 0.1 for mb in micro_batches]
+            return [ref.masked_fill(mb["loss_mask"] == 0, 1e4) if poison else ref
+                    for ref, mb in zip(refs, micro_batches)]
 
         monkeypatch.setattr(grpo, "frozen_logprobs", ref_logprobs)
         recorder = GradRecorder(model)
@@ -239,7 +240,7 @@ def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
     """sample_groups without a model: question i's group has differing rewards iff i % 3 == 0; its tokens are i."""
     rewards = torch.tensor([[float(i % 3 == 0), 0.0] for i in indices])
     return dict(prompts=[[i] for i in indices], samples={"tokens": torch.tensor(indices).repeat_interleave(2)[:, None]},
-                rewards=rewards, penalty=torch.zeros_like(rewards))
+                rewards=rewards, task_rewards=rewards, terms=rewards[..., None], penalty=torch.zeros_like(rewards))
 
 
 def test_dynamic_sampling_fills_the_step_with_differing_groups(monkeypatch):
@@ -252,6 +253,9 @@ def test_dynamic_sampling_fills_the_step_with_differing_groups(monkeypatch):
     assert len(ids) == 4 and ids[0] == 0 and all(i % 3 == 0 for i in ids) and 1 < rounds < 8
     assert groups["samples"]["tokens"].flatten().tolist() == [i for i in ids for _ in range(2)]  # rows follow groups
     assert (groups["rewards"][:, 0] != groups["rewards"][:, 1]).all()
+    # the policy's own rewards, for the log: every group of every round, the left-out ones too
+    assert groups["drawn"]["task_rewards"].shape == (4 * rounds, 2) and groups["drawn"]["rewards"][:4].equal(
+        first["rewards"])
     again, _ = grpo.dynamic_sampling(first, None, None, task, 5, 0, args, None)
     other_rank, _ = grpo.dynamic_sampling(first, None, None, task, 5, 1, args, None)
     assert again["prompts"] == groups["prompts"] and other_rank["prompts"] != groups["prompts"]
@@ -271,7 +275,9 @@ def test_dynamic_sampling_run_resumes_exactly(tmp_path, monkeypatch, run_killed_
         assert torch.equal(a, b), k
     metrics = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
     assert all(m["sampling_rounds"] > 1 and m["questions_drawn"] == 8 * m["sampling_rounds"] for m in metrics)
-    assert metrics[-1]["equal_group_frac"] < 0.5
+    # logged: the policy's own reward and equal groups over every group drawn, and those of the groups kept
+    assert all(m["equal_group_frac_kept"] < m["equal_group_frac"] for m in metrics)
+    assert metrics[-1]["equal_group_frac_kept"] < 0.5 and metrics[0]["reward_kept"] != metrics[0]["reward"]
 
 
 # ---------------------------------------------------------------------------- the terms, by hand
@@ -325,6 +331,7 @@ def test_sequence_ratio_equals_token_ratio_when_replies_have_one_token():
         model, batch = sampled_batch(args)
         first = batch["loss_mask"].argmax(dim=1)
         batch["loss_mask"].zero_()[torch.arange(len(first)), first] = 1.0  # one policy token per reply
+        batch["micro_batches"], batch["minibatch_counts"] = grpo.plan_micro_batches(batch, args)
         stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
         results.append((stats, model.state_dict()))
     (token_stats, token_state), (sequence_stats, sequence_state) = results
@@ -352,7 +359,7 @@ def test_kl_estimators_by_hand():
     assert (grpo.kl_penalty(wide, wide, "k3") == 0).all()
 
 
-@pytest.mark.parametrize("estimator", ["k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_gradient_pulls_the_policy_towards_the_reference(estimator):
     ref = torch.tensor([-1.0, -1.0, -3.0])
     logprobs = torch.tensor([-2.0, -0.5, -3.0], requires_grad=True)
@@ -360,6 +367,45 @@ def test_kl_gradient_pulls_the_policy_towards_the_reference(estimator):
     stepped = logprobs.detach() - 0.1 * logprobs.grad  # a descent step
     assert ((stepped - ref).abs() <= (logprobs.detach() - ref).abs()).all()
     assert ((stepped - ref).abs() < (logprobs.detach() - ref).abs())[:2].all()
+
+
+@pytest.mark.parametrize("estimator,placement,kl", [("k1", "loss", "reverse"), ("k2", "loss", "reverse"),
+                                                    ("k3", "loss", "forward"), ("k1", "reward", "reverse")])
+def test_the_kl_terms_expected_gradient_is_that_of_the_kl_the_docs_name(estimator, placement, kl):
+    # One position, six tokens: the expectation over o ~ pi_theta of the gradient a sampled o gives (the tokens
+    # held fixed, as in training), summed exactly, against the gradient of KL(pi || pi_ref) (reverse) or
+    # KL(pi_ref || pi) (forward). In the reward the penalty is the reply's advantage (no baseline), at rho = 1.
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(6, dtype=torch.float64, generator=gen).requires_grad_()
+    ref = torch.log_softmax(torch.randn(6, dtype=torch.float64, generator=gen), 0)
+    expected = torch.zeros(6, dtype=torch.float64)
+    for o in range(6):
+        logprob = torch.log_softmax(z, 0)[o].view(1, 1)  # [B, T] = [1, 1]
+        if placement == "loss":
+            term = grpo.kl_penalty(logprob, ref[o].view(1, 1), estimator)
+        else:
+            penalty = grpo.kl_reward_penalty(logprob, ref[o].view(1, 1), torch.ones(1, 1), kl_coef=1.0)  # [1]
+            term, _ = grpo.clipped_policy_loss(logprob - logprob.detach(), -penalty[:, None], 0.2, 0.2)
+        expected += torch.softmax(z, 0)[o].detach() * torch.autograd.grad(term.sum(), z)[0]
+    logp = torch.log_softmax(z, 0)
+    exact = (logp.exp() * (logp - ref)).sum() if kl == "reverse" else (ref.exp() * (ref - logp)).sum()
+    torch.testing.assert_close(expected, torch.autograd.grad(exact, z)[0], rtol=0, atol=1e-6)
+
+
+def test_kl_in_the_reward_shapes_the_advantages_and_leaves_the_loss():
+    args = args_for("--algo", "grpo", "--kl-placement", "reward", "--kl-coef", "0.5", "--ppo-epochs", "1")
+    model, batch = sampled_batch(args)
+    ref_model = copy.deepcopy(model)
+    for p in ref_model.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    with torch.no_grad():
+        old, ref = (net.token_logprobs(batch["input_ids"], batch["target_ids"]) for net in (model, ref_model))
+    penalty = 0.5 * ((old - ref) * batch["loss_mask"]).sum(dim=1)
+    want = grpo.group_advantages(batch["rewards"] - penalty.view_as(batch["rewards"]), "zscore").flatten()
+    assert not torch.allclose(want, batch["advantages"], atol=1e-3)  # the KL does move them
+    stats, _ = grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST, ref_model)
+    torch.testing.assert_close(batch["advantages"], want, rtol=0, atol=1e-5)
+    assert stats["kl"] > 0 and stats["loss"] == pytest.approx(stats["loss_policy"], abs=1e-9)
 
 
 def test_advantages_by_hand_and_all_equal_groups():
@@ -914,6 +960,26 @@ def test_sampler_gap_and_rollout_correction():
         for a, b in zip(corrected, torch.autograd.grad(by_hand, list(model.parameters()), retain_graph=True)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         assert 0 < (weights * mask).sum() < mask.sum()  # the correction did act on some tokens
+
+
+def test_gspo_gets_one_rollout_weight_per_reply():
+    # a reply's loss is one term (its ratio the mean log-ratio): the correction weighs or drops the reply whole,
+    # by its mean gap, as its ratio is built; a token's own gap never weighs the reply's other tokens
+    args, model, _, _, batch = sampled_with_top_k(5)
+    mask = batch["loss_mask"]
+    logprobs = model.token_logprobs(batch["input_ids"], batch["target_ids"], args.temperature)
+    gap = ((logprobs.detach() - batch["sampler_logprobs"]) * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+    replies = (mask.sum(dim=1) > 0).sum()
+    for kind, weights in (("tis", torch.exp(gap).clamp(max=2.6)),
+                          ("mask", ((torch.exp(gap) >= 1 / 2.6) & (torch.exp(gap) <= 2.6)).float())):
+        flags = ["--algo", "gspo", "--num-minibatches", "1", "--temperature", "0.8", "--top-k", "5",
+                 "--rollout-correction", kind, "--rollout-correction-cap", "2.6"]
+        (corrected,), _ = gradients(model, batch, args_for(*flags))
+        reply_means = (logprobs * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        by_hand = -(weights * batch["advantages"] * reply_means).sum() / replies
+        for a, b in zip(corrected, torch.autograd.grad(by_hand, list(model.parameters()), retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert kind == "tis" or 0 < weights.sum() < replies  # some replies dropped whole, others kept
 
 
 def test_reward_weights_combine_the_task_terms(tmp_path, gsm8k_dir):

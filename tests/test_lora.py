@@ -155,3 +155,15 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one(generation, tmp_path, di
         assert any(k.startswith("lora.") for k in states[0]["master_weights"]) and states[0]["ref_model"] is None
     logs = [[json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in out]
     assert [m["loss"] for m in logs[0]] == [m["loss"] for m in logs[1]]
+
+
+def test_a_lora_run_resumes_with_a_lower_lora_lr(tmp_path, run_killed_after_first_save, capsys):
+    # the weight-norm warning and docs/reliability.md say to lower the step sizes and resume: --lora-lr is one
+    init = nanochat_dir(tmp_path, "classic")
+    flags = lora_flags(init, tmp_path, "--save-every", "1", "--run-name", "r")
+    run_killed_after_first_save(flags)
+    capsys.readouterr()
+    grpo.main(flags + ["--resume", "--lora-lr", "1e-3"])
+    assert "lora_lr 0.01 -> 0.001" in capsys.readouterr().out
+    config = json.load(open(tmp_path / "r" / "config.json"))
+    assert config["lora_lr"] == 1e-3 and config["resumed_with"] == [dict(step=1, lora_lr=[0.01, 0.001])]

@@ -86,7 +86,7 @@ def test_token_logprobs_match_log_softmax_and_its_gradient():
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
 
 
-def test_token_logprobs_where_computes_only_those_positions_with_the_same_numbers_and_gradients():
+def test_token_logprobs_at_positions_computes_only_those_with_the_same_numbers_and_gradients():
     # The trainer passes the loss mask: what it gets at the masked positions, and their gradients, must be what the
     # whole [B, T] computation gives there; the other positions are 0 and send no gradient.
     model = tiny_model(seed=2)
@@ -94,7 +94,8 @@ def test_token_logprobs_where_computes_only_those_positions_with_the_same_number
     where = torch.rand(3, 10) > 0.5
     where[1] = False  # a row with nothing asked for
     full = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True, chunk_size=4)
-    some = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True, where=where, chunk_size=4)
+    some = model.token_logprobs(idx, targets, temperature=0.7, with_entropy=True,
+                                positions=where.flatten().nonzero().squeeze(1), chunk_size=4)
     weights = torch.randn(3, 10)
     grads = []
     for logprobs, entropy in (full, some):
@@ -106,7 +107,7 @@ def test_token_logprobs_where_computes_only_those_positions_with_the_same_number
     for a, b in zip(*grads):  # float32 sums over different numbers of rows: equal up to rounding, ~1e-7 of the norm
         assert (a - b).norm() <= 1e-5 * a.norm(), ((a - b).norm(), a.norm())
     # Nothing asked for at all (e.g. a micro-batch of dropped groups): zeros, and a backward that still runs.
-    none = model.token_logprobs(idx, targets, where=torch.zeros(3, 10, dtype=torch.bool))
+    none = model.token_logprobs(idx, targets, positions=torch.zeros(0, dtype=torch.long))
     assert torch.equal(none, torch.zeros(3, 10))
     none.sum().backward()
 
