@@ -77,9 +77,22 @@ def weights(text):
         return {name.strip(): float(value) for name, value in pairs}
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected name=weight,name=weight, got {text!r}") from None
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's default where it has one of its own (the algorithm flags' come from --algo, listed
+    in their group's description) and its help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+                                 formatter_class=HelpFormatter, allow_abbrev=False)
 # the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
 arg = algorithm.add_argument
@@ -184,7 +197,8 @@ arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/
 arg = parser.add_argument_group("devices and processes").add_argument
 arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
 arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
-arg("--device-batch-size", type=count, default=8, help="rows per forward/backward pass: memory, not the result")
+arg("--device-batch-size", type=count, default=None, help="rows per forward/backward pass: memory, not the result "
+    "(default: on a GPU as many as its free memory holds beside the rest, else 8)")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
     help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
@@ -781,6 +795,9 @@ def resolve_config(argv=None):
         args.lora_alpha = 2.0 * args.lora_rank
     if args.shard_optimizer is None:
         args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.device_batch_size is None and not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                                               ).startswith("cuda"):
+        args.device_batch_size = 8  # on a GPU the memory plan fits it (fitted_plan)
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -953,12 +970,18 @@ def free_memory(device):
 
 def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
-    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory)."""
+    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
+    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step."""
     smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), sample_batch_size=args.num_samples,
                                                          device_batch_size=1)), world_size, longest_prompt, dtype)
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
+    if args.device_batch_size is None:
+        per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
+        room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
+        rows = args.prompts_per_step // world_size * args.num_samples
+        args.device_batch_size = max(1, min(rows, int(room // per_row)))
     return memory_plan(model, args, world_size, longest_prompt, dtype,
                        smallest["optimizer state per rank"]), smallest
 
@@ -983,7 +1006,8 @@ def plan_memory(args, world_size, device, dtype, task, log):
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
-                                                    if world_size > 1 and args.shard_optimizer else "")
+                                                    if world_size > 1 and args.shard_optimizer else "") + (
+        f"; --device-batch-size {args.device_batch_size}")
     log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step

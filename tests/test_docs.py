@@ -98,3 +98,8 @@ def test_no_line_of_the_trainer_is_over_120_characters():
     long_lines = [f"{os.path.relpath(path, ROOT)}:{number}" for path in sources
                   for number, line in enumerate(open(path, encoding="utf-8"), 1) if len(line.rstrip("\n")) > 120]
     assert not long_lines
+
+
+def test_help_shows_each_flags_own_default():
+    text = grpo.parser.format_help()
+    assert "replies per question (the group size G) (default: 16)" in text and "(default: None)" not in text

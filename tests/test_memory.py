@@ -78,6 +78,30 @@ def test_the_plans_reference_and_kv_cache_bytes():
     assert chunk[f"sampling: KV cache and logits of {rows} replies"] == rows * (per_row + c.vocab_size * 4) + 2 * per_row
 
 
+def test_on_a_gpu_the_update_takes_as_many_rows_a_pass_as_the_plan_fits():
+    # a d12 of the newest generation on the meta device; the GPU's free memory as given
+    chosen = []
+    for free_gib in (2.5, 4, 6, 1000):
+        args = args_for("--algo", "grpo", "--init", "scratch", "--depth", "12", "--n-embd", "768", "--n-head", "6",
+                        "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256")
+        args.device_batch_size = args.sample_batch_size = None  # not given, as on a GPU
+        shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
+        free = free_gib * 2 ** 30
+        plan, _ = grpo.fitted_plan(shape, args, 1, 100, "bfloat16", free, gpu=True)
+        rows = args.device_batch_size
+
+        def update_peak(n):  # what stays and the update's phase, at n rows a pass
+            at = grpo.memory_plan(shape, grpo.SimpleNamespace(**dict(vars(args), device_batch_size=n)), 1, 100,
+                                  "bfloat16", plan["optimizer state per rank"])
+            return grpo.phase_bytes(at) + grpo.phase_bytes(at, "update")
+
+        assert grpo.phase_bytes(plan, "update") == update_peak(rows) - grpo.phase_bytes(plan)
+        assert rows == 256 or update_peak(rows + 1) > 0.9 * free  # as many as fit, or the rank's whole step
+        assert rows == 1 or update_peak(rows) <= 0.9 * free
+        chosen.append(rows)
+    assert chosen[0] < chosen[1] < chosen[2] < chosen[3] == 256, chosen
+
+
 def test_a_plan_that_cannot_fit_stops_before_the_checkpoint_is_read(tmp_path, monkeypatch):
     if not os.path.isdir(SMEAR_BACKOUT):
         pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
