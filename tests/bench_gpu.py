@@ -4,6 +4,10 @@ GPU benchmark: rollouts and training steps of nanochat-shaped models, next to th
     python tests/bench_gpu.py                          # d12 and d20 shapes, vocab 65,536, bf16, on CUDA
     python tests/bench_gpu.py --shapes d20 --peak-tflops 989
     python tests/bench_gpu.py --smoke                  # the same code on a tiny shape, any device (a quick check)
+    python tests/bench_gpu.py --shapes d20 --part eager        # one part a command: rollouts, eager, compiled
+    python tests/bench_gpu.py --shapes d20 --part compiled --profile
+
+Each row is printed as soon as it is measured, so a run cut short by a time limit keeps what it measured.
 
 For each shape (random weights, nanochat's newest GPT generation by default):
 (a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call per decode mode
@@ -11,9 +15,11 @@ For each shape (random weights, nanochat's newest GPT generation by default):
     same, not compiled; static: the same shapes, eager; dynamic: finished rows leave, the CPU's default), and one
     call per prompt; the prefill's time; the decode step's time next to its memory-bandwidth bound (bytes of bf16
     weights + KV cache read per step / the bandwidth of a device-to-device copy measured here);
-(b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile): its split (sample / old +
-    reference log-probs / update), the update's model FLOP utilisation (6 x matmul parameters + attention per
-    token, recomputation not counted) and peak memory. The compiled update is timed after one that compiles.
+(b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile), at --device-batch-size rows a
+    pass and at the rows grpo.py's memory plan fits on this GPU: its split (sample / old + reference log-probs /
+    update), the update's model FLOP utilisation (6 x matmul parameters + attention per token of the micro-batches
+    as cut, recomputation not counted), peak memory next to the plan's; the compile's seconds apart (an update run
+    before the timed one); with --profile the 15 CUDA kernels that take most of the timed update's time.
 The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random.
 Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
 """
@@ -48,7 +54,11 @@ parser.add_argument("--device-batch-size", type=int, default=8, help="rows per f
 parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known GPUs by name)")
 parser.add_argument("--smoke", action="store_true", help="tiny shape and batch on any device: checks that the script runs")
 parser.add_argument("--device", default="cuda")
+parser.add_argument("--part", default="all", choices=["all", "rollouts", "eager", "compiled"],
+                    help="rollouts, the eager steps or the compiled steps alone (each fits a 10-minute command)")
+parser.add_argument("--profile", action="store_true", help="the 15 CUDA kernels of each timed update (torch.profiler)")
 args = parser.parse_args()
+sys.stdout.reconfigure(line_buffering=True)  # every row out as soon as it is printed
 if args.smoke:
     args.shapes, args.vocab_size, args.prompts, args.samples, args.prompt_len, args.new_tokens = "tiny", 512, 2, 2, 16, 8
     args.device = args.device if torch.cuda.is_available() else "cpu"
@@ -117,15 +127,27 @@ def update_flops(model, batch, passes):
     counts only at the positions in the loss, the only ones where the update runs it."""
     c = model.config
     block_params = sum(p.numel() for p in model.transformer.h.parameters())
-    N, T = batch["input_ids"].shape
-    head_positions = int((batch["loss_mask"] > 0).sum())
-    attention = 12 * c.n_layer * c.n_embd * T  # QK^T and AV, forward and backward, full (not causal-halved) as nanochat counts
-    return passes * (N * T * (6 * block_params + attention) + head_positions * 6 * model.lm_head.weight.numel())
+    flops = 0
+    for mb in batch["micro_batches"]:  # each cut to its own longest row
+        B, T = mb["input_ids"].shape
+        attention = 12 * c.n_layer * c.n_embd * T  # QK^T and AV, forward and backward, full as nanochat counts
+        flops += B * T * (6 * block_params + attention) + mb["positions"].numel() * 6 * model.lm_head.weight.numel()
+    return passes * flops
 
 
-def training_step(model, prompts, algo, compiled):
+def fitted_rows(model, algo):
+    """The rows a pass that grpo.py's memory plan fits on this device (its --device-batch-size default on a GPU)."""
+    plan_args = grpo.resolve_config(["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples",
+                                     str(args.samples), "--max-new-tokens", str(args.new_tokens)])
+    plan_args.device_batch_size = None
+    free = torch.cuda.mem_get_info(device)[0] if cuda else 2 ** 30
+    grpo.fitted_plan(copy.deepcopy(model).to("meta"), plan_args, 1, args.prompt_len, "bfloat16", free, gpu=True)
+    return plan_args.device_batch_size
+
+
+def training_step(model, prompts, algo, compiled, device_batch_size):
     flags = ["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples),
-             "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(args.device_batch_size)]
+             "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(device_batch_size)]
     step_args = grpo.resolve_config(flags)
     policy = copy.deepcopy(model)
     policy.use_compile = compiled  # as grpo.py's --compile, before the reference copy
@@ -141,15 +163,18 @@ def training_step(model, prompts, algo, compiled):
     update = lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model)  # noqa: E731
     if compiled:
         _, compile_seconds = timed(update)
-        print(f"  (compiling {algo}'s forwards and backward: {compile_seconds:.0f} s)")
-    (stats, time_logprobs), seconds = timed(update)
+        print(f"  (compiling {algo}'s forwards and backward, and one update: {compile_seconds:.0f} s)")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if args.profile and cuda \
+        else grpo.nullcontext()
+    with profiler:
+        (stats, time_logprobs), seconds = timed(update)
     time_update = seconds - time_logprobs
     passes = step_args.ppo_epochs * step_args.num_minibatches
     mfu = update_flops(policy, batch, passes) / time_update / (peak_tflops * 1e12) if peak_tflops else None
     peak_memory = f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB" if cuda else "-"
-    label = f"{algo} {'compiled' if compiled else 'eager'}"
+    label = f"{algo} {'compiled' if compiled else 'eager'} x{device_batch_size}"
     print(f"  step {label:18s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
-          f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, batch {tuple(batch['input_ids'].shape)}) | "
+          f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, {len(batch['micro_batches'])} micro-batches) | "
           f"update MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory {peak_memory}")
     # what grpo.py's memory plan predicts for this step (its reference here a float32 copy); the measured peak also
     # holds the bench's own copy of the model, the weights row once more
@@ -160,6 +185,8 @@ def training_step(model, prompts, algo, compiled):
           f"{grpo.size(grpo.phase_bytes(plan, 'update'))}, of which activations (estimate) "
           f"{grpo.size(next(v for k, v in plan.items() if 'activations' in k))}); + the bench's model "
           f"{grpo.size(plan['weights (float32)'])}")
+    if args.profile and cuda:
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
 bandwidth = copy_bandwidth()
@@ -173,6 +200,15 @@ for shape in args.shapes.split(","):
     model = random_model(shape).eval()
     params = sum(p.numel() for p in model.parameters())
     print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
+    if args.part in ("all", "eager", "compiled"):
+        for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
+            if args.part != "all" and compiled != (args.part == "compiled"):
+                continue
+            for algo in ("reinforce", "grpo"):
+                for rows in dict.fromkeys([args.device_batch_size, fitted_rows(model, algo)]):
+                    training_step(model, prompts, algo, compiled, rows)
+    if args.part not in ("all", "rollouts"):
+        continue
     new_tokens = args.prompts * args.samples * args.new_tokens
     seconds = {}
     modes = [("graph+compile", "graph", True)] if cuda else []  # compiling on a CPU takes minutes
@@ -197,9 +233,6 @@ for shape in args.shapes.split(","):
     print(f"  decode step, {best} ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
           f"{1e3 * bound:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB a step) "
           f"= {bound / step_seconds:.0%} of the bound")
-    for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
-        for algo in ("reinforce", "grpo"):
-            training_step(model, prompts, algo, compiled)
     del model
     if cuda:
         torch.cuda.empty_cache()

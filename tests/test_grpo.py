@@ -175,6 +175,27 @@ def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
     assert stats["clip_frac"] > 0  # the weights did move between the passes
 
 
+@pytest.mark.parametrize("flags", [["--algo", "grpo"], ["--algo", "reinforce"], ["--algo", "grpo",
+                                   "--num-minibatches", "2", "--kl-placement", "reward"]])
+def test_the_update_waits_for_the_device_a_fixed_few_times_per_optimizer_step_never_per_micro_batch(flags):
+    # ops that make the host wait for a GPU (a scalar read, a data-dependent shape, a boolean mask), counted on the
+    # CPU: the same count with 4 times as many micro-batches
+    from bench_update import CountOps
+    counts = []
+    for rows in ("2", "8"):
+        args = args_for(*flags, "--device-batch-size", rows)
+        model, batch = sampled_batch(args)
+        counter = CountOps()
+        with counter:
+            stats, _ = grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST,
+                                          GPT(model.config) if args.kl_coef else None)
+        counts.append((len(batch["micro_batches"]), len(counter.syncs)))
+    (many, syncs_many), (few, syncs_few) = counts
+    assert many == 4 * few and syncs_many == syncs_few
+    steps = args.ppo_epochs * args.num_minibatches
+    assert syncs_few <= 2 * steps + 20, counter.syncs  # a finiteness check per step, the statistics at the end
+
+
 def test_an_empty_minibatch_takes_no_optimizer_step():
     # Momentum from an earlier step would move the weights on a zero gradient: an all-masked minibatch must not step.
     args = args_for("--algo", "grpo", "--drop-equal-groups", "--num-minibatches", "2", "--lr", "0.05")
