@@ -1562,7 +1562,7 @@ STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac
 # steps up to float rounding (another summation order); a change is noted like the step sizes'.
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile")
 # Flags added since runs began to be resumed, with what a run from before them did
-SINCE = {"shard_optimizer": False, "ref_offload": False}
+SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss"}
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
           "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
