@@ -526,12 +526,13 @@ def plan_micro_batches(batch, args):
     micro_batches, counts = [], []
     for j in range(args.num_minibatches):
         rows = [r for r in range(N) if (rank * N + r) % args.num_minibatches == j]
-        counts.append([float(aggregation_count(batch["loss_mask"][rows], args.aggregation, args.max_new_tokens)),
-                       float(batch["loss_mask"][rows].sum())])
+        mask = batch["loss_mask"][rows]
+        counts.append([float(aggregation_count(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
         rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
         for i in range(0, len(rows), args.device_batch_size):
-            chunk = torch.tensor(rows[i:i + args.device_batch_size])
-            width = max(widths[r] for r in rows[i:i + args.device_batch_size])
+            chunk = rows[i:i + args.device_batch_size]
+            width = max(widths[r] for r in chunk)
+            chunk = torch.tensor(chunk)
             mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampler_logprobs")}
             mb.update(minibatch=j, rows=chunk, positions=mb["loss_mask"].flatten().nonzero().squeeze(1))  # [K]
             micro_batches.append(mb)
@@ -572,9 +573,8 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
     # all of them when the KL is a reward term, which needs pi_old before the advantages.
     start = time.time()
     kl_in_reward = ref_model is not None and args.kl_placement == "reward"
-    first = [] if kl_in_reward else minibatches[0]
     old_logprobs = [None] * len(micro_batches)
-    later = [i for i in range(len(micro_batches)) if i not in first]
+    later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
     for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
         old_logprobs[i] = logprobs
     ref_logprobs = None
