@@ -22,7 +22,6 @@ import argparse
 import copy
 import errno
 import fcntl
-import functools
 import glob
 import hashlib
 import importlib.util
@@ -85,7 +84,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        # `is`, not `in`: 0 == False, and a default of 0 is a default to show
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if action.option_strings and shown and "default" not in text:
             text += " (default: %(default)s)"
         return text
 
@@ -116,7 +117,9 @@ arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no re
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
     "KL's gradient each gives)")
 arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
-    "or beta x each reply's summed k1 subtracted from its reward before the advantages")
+    "or beta x each reply's summed k1 subtracted from its reward before the advantages; there an all-equal group's "
+    "advantages are its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), scaled to unit "
+    "std (zscore)")
 arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
     help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
 arg("--ref-offload", action="store_true",
@@ -180,7 +183,9 @@ arg = parser.add_argument_group("run, evaluation and logging").add_argument
 arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
 arg("--runs-dir", default="runs", help="folder of the run folders")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
-arg("--seed", type=int, default=0, help="seeds the weights of a scratch model, the data order and the sampling")
+arg("--seed", type=int, default=0, help="seeds a scratch model's weights, the sampling, and the order of every "
+    "epoch but the first (which takes the task's fixed order, so that every seed sees the same questions at the same "
+    "step and seeds differ in their sampling alone; GSM8K's: shuffled once, as nanochat's)")
 arg("--eval-every", type=at_least(0), default=60,
     help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
@@ -320,12 +325,15 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
 
 
 @torch.no_grad()
-def kl_reward_penalty(old_logprobs, ref_logprobs, loss_mask, kl_coef):
-    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over its policy tokens
-    ([N, T] -> [N]), to subtract from its reward before the advantages (detached: a reward, not a loss term).
-    Through the policy term its expected gradient is beta x that of KL(pi_theta || pi_ref) of whole replies, the
-    unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it like any reward."""
-    return kl_coef * ((old_logprobs - ref_logprobs) * loss_mask).sum(dim=1)
+def kl_reward_penalty(old_logprobs, ref_logprobs, sampled_mask, kl_coef):
+    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over every token the policy
+    sampled ([N, T] -> [N]; also in a reply that --mask-truncated or --drop-equal-groups leave out of the loss: it
+    still counts in its group's mean and std), to subtract from its reward before the advantages (detached: a
+    reward, not a loss term). Through the policy term its expected gradient is beta x that of KL(pi_theta ||
+    pi_ref) of whole replies, the unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it
+    like any reward, so an all-equal group's advantages are the spread of its KLs: beta-sized under mean and rloo,
+    / the step's std under batch, unit-sized under zscore (docs/algorithm.md)."""
+    return kl_coef * ((old_logprobs - ref_logprobs) * sampled_mask).sum(dim=1)
 
 
 def pass_normalisers(loss_mask, G, pass_size):
@@ -454,7 +462,7 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
     step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
     "drawn": the reward terms, task rewards and rewards [R * P, ...] of every group sampled, for the policy's own
-    reward in the log; rounds)"""
+    reward in the log, and the lengths of all their replies; rounds)"""
     wanted, G = len(first["prompts"]), args.num_samples
     parts, differing = [first], [~equal_groups(first["rewards"])]  # differing: [P] bool per round
     while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
@@ -468,6 +476,7 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
     samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
     drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards")}
+    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
     return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
 
 
@@ -494,38 +503,43 @@ def make_batch(prompts, samples, rewards, args):
         rows["loss_mask"].append(before + mask[row][:length] + after)
         rows["sampler_logprobs"].append(before + logprobs[row][:length] + after)
     input_ids, target_ids = torch.tensor(rows["input_ids"]), torch.tensor(rows["target_ids"])  # [N, T]
-    loss_mask = torch.tensor(rows["loss_mask"], dtype=torch.float32)
+    sampled_mask = torch.tensor(rows["loss_mask"], dtype=torch.float32)  # every token the policy sampled
     sampler_logprobs = torch.tensor(rows["sampler_logprobs"], dtype=torch.float32)
     equal = equal_groups(rewards)  # [P]
+    loss_mask = sampled_mask.clone()
     if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
         loss_mask *= (~equal).repeat_interleave(G)[:, None]
     if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
         loss_mask *= (~samples["truncated"])[:, None]
     advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
-    batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, advantages=advantages,
-                 sampler_logprobs=sampler_logprobs, rewards=rewards, equal_groups=equal,  # [P], logged
-                 widths=torch.tensor(widths))  # [N]
+    batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, sampled_mask=sampled_mask,
+                 advantages=advantages, sampler_logprobs=sampler_logprobs, rewards=rewards,
+                 equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
     if args.aggregation == "nanochat":
         batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
-    batch["micro_batches"], batch["minibatch_counts"] = plan_micro_batches(batch, args)
+    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = plan_micro_batches(batch, args)
     return batch
 
 
 def plan_micro_batches(batch, args):
     """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch). Minibatch j takes the replies
+    rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch; each row's minibatch [N]).
+    Minibatch j takes the replies
     whose global row number is j modulo num_minibatches: each rank holds a contiguous block of N rows, so the union
     over ranks of a minibatch is one process's and any number of ranks takes the same steps. In a minibatch each
     question's replies go longest first, and runs of --device-batch-size rows (memory only) make the micro-batches,
     each cut to its own longest row: little padding, and micro-batches that do not depend on the number of ranks
-    (sorting across questions would mix rows that different ranks hold). Each carries its positions in the loss
-    (flat indices), so that the forward passes never ask the device which they are (a host sync per pass)."""
+    (sorting across questions would mix rows that different ranks hold). Each carries the positions its log-probs
+    are needed at (flat indices: the loss's, and with the KL in the reward every sampled token's), so that the
+    forward passes never ask the device which they are (a host sync per pass)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
+    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
+    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
     micro_batches, counts = [], []
     for j in range(args.num_minibatches):
-        rows = [r for r in range(N) if (rank * N + r) % args.num_minibatches == j]
+        rows = [r for r in range(N) if row_minibatch[r] == j]
         mask = batch["loss_mask"][rows]
         counts.append([float(aggregation_count(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
         rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
@@ -533,10 +547,11 @@ def plan_micro_batches(batch, args):
             chunk = rows[i:i + args.device_batch_size]
             width = max(widths[r] for r in chunk)
             chunk = torch.tensor(chunk)
-            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampler_logprobs")}
-            mb.update(minibatch=j, rows=chunk, positions=mb["loss_mask"].flatten().nonzero().squeeze(1))  # [K]
+            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                                       "sampler_logprobs")}
+            mb.update(minibatch=j, rows=chunk, positions=mb[needed].flatten().nonzero().squeeze(1))  # [K]
             micro_batches.append(mb)
-    return micro_batches, torch.tensor(counts, dtype=torch.float64)
+    return micro_batches, torch.tensor(counts, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
 def to_device(batch, device):
@@ -565,8 +580,6 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
     micro_batches = batch["micro_batches"]
     minibatches = [[i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j]
                    for j in range(args.num_minibatches)]
-    # every minibatch's normaliser and policy tokens, summed over ranks: one read from the device per update
-    counts = all_reduce(batch["minibatch_counts"].to(batch["advantages"].device)).tolist()
     # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
     # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
     # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
@@ -585,39 +598,54 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
     if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
         penalty = torch.zeros_like(batch["advantages"])  # [N]
         for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
-            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["loss_mask"], args.kl_coef)
+            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
         rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
         batch["advantages"] = group_advantages(rewards, args.advantage).flatten()
     advantages = batch["advantages"][:, None]  # [N, 1]
     time_logprobs = time.time() - start
+    # every minibatch's normaliser, policy tokens and tokens with a non-zero advantage, summed over ranks: one read
+    # from the device per update
+    counts = all_reduce(torch.cat([batch["minibatch_counts"].to(advantages.device),
+                                   signal_tokens(batch, args)], dim=1)).tolist()
 
     stats = update_stats(advantages.device)
     model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
     for _ in range(args.ppo_epochs):
         for j, minibatch in enumerate(minibatches):
-            denominator, tokens = counts[j]
+            denominator, tokens, signal = counts[j]
             if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
                 stats["empty_updates"] += 1
                 continue
+            # No policy signal (every advantage 0, no entropy bonus): the step a KL-free run takes, on a zero
+            # gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
+            # which normalise a step's scale, would turn it into a full step away from the reference
+            # (docs/algorithm.md). Its forward still runs, without a graph: pi_old and the logged terms.
+            signal = signal > 0 or args.entropy_coef > 0
+            stats["no_signal_updates"] += not signal
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
             for i in minibatch:
                 mb = micro_batches[i]
-                with autocast:
+                with autocast, torch.set_grad_enabled(signal):
                     logprobs, entropy = model.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature,
                                                              with_entropy=True, positions=mb["positions"])
-                if not stats["stepped"]:
-                    old_logprobs[i] = logprobs.detach()
-                mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
-                                  if args.aggregation == "nanochat" else denominator)
-                loss, parts = objective(logprobs, entropy, old_logprobs[i],
-                                        ref_logprobs[i] if ref_model is not None else None,
-                                        mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
-                                        mb_denominator, args)
-                loss.backward()
+                    if not stats["stepped"]:
+                        old_logprobs[i] = logprobs.detach()
+                    mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
+                                      if args.aggregation == "nanochat" else denominator)
+                    loss, parts = objective(logprobs, entropy, old_logprobs[i],
+                                            ref_logprobs[i] if ref_model is not None else None,
+                                            mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
+                                            mb_denominator, args)
+                if signal:
+                    loss.backward()
                 minibatch_loss += loss.detach()
                 add_micro_batch_stats(stats, loss, parts, mb["loss_mask"])
+            if not signal:
+                for p in trainable:
+                    p.grad = torch.zeros_like(p)
             # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
-            reduce_gradients([p for p in model.parameters() if p.requires_grad], owners)
+            reduce_gradients(trainable, owners)
             if not torch.isfinite(all_reduce(minibatch_loss.clone())):
                 stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
                 model.zero_grad(set_to_none=True)
@@ -626,6 +654,14 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             model.zero_grad(set_to_none=True)
             stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
     return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
+
+
+def signal_tokens(batch, args):
+    """-> [num_minibatches, 1]: this rank's loss tokens whose reply has a non-zero advantage, per minibatch."""
+    advantages = batch["advantages"]
+    per_row = batch["loss_mask"].sum(dim=1) * (advantages != 0)  # [N]
+    return torch.zeros(args.num_minibatches, 1, dtype=torch.float64, device=advantages.device).index_add_(
+        0, batch["row_minibatch"], per_row.double()[:, None])
 
 
 def reset_reference(model, ref_model, optimizers, step, args):
@@ -819,6 +855,9 @@ def check_config(args):
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.ratio_level == "sequence" and args.aggregation != "sequence",
+         f"--ratio-level sequence with --aggregation {args.aggregation}: a reply's one ratio (and loss) would count "
+         "once per token, weighting replies by their length; use --aggregation sequence (GSPO's)"),
         (args.pass_size is not None and args.aggregation != "nanochat",
          f"--pass-size sets the passes of --aggregation nanochat; --aggregation {args.aggregation} has none"),
         (not set(args.reward_weights) <= set(TASKS[args.task].reward_terms) or not all(
@@ -971,8 +1010,10 @@ def free_memory(device):
 def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
     --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
-    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step."""
-    smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), sample_batch_size=args.num_samples,
+    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
+    Off a GPU, --ref-offload keeps the reference where it is: counted."""
+    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False))
+    smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
                                                          device_batch_size=1)), world_size, longest_prompt, dtype)
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
@@ -982,7 +1023,9 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
         room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
         rows = args.prompts_per_step // world_size * args.num_samples
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
-    return memory_plan(model, args, world_size, longest_prompt, dtype,
+    planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
+                                     sample_batch_size=args.sample_batch_size))
+    return memory_plan(model, planned, world_size, longest_prompt, dtype,
                        smallest["optimizer state per rank"]), smallest
 
 
@@ -997,8 +1040,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
     gpu = device.type == "cuda"
     if args.ref_offload and not gpu:
         log("note: --ref-offload keeps the reference off a GPU; on the CPU it stays where it is")
-    plan, smallest = fitted_plan(model, args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False)),
-                                 world_size, longest_prompt, dtype, free, gpu)
+    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu)
     if plan_peak(smallest) > free:
         remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
             "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
@@ -1063,14 +1105,19 @@ def start_run(args, run_dir, rank, writes):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     torch.manual_seed(args.seed)
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
-    config["world_size"] = world_size
+    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
 
     try:
         train_task, test_task = (TASKS[args.task].from_flags(split, args) for split in ("train", "test"))
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+    if args.prompts_per_step > len(train_task):
+        sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
+                 "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
     plan_memory(args, world_size, device, dtype, train_task, log)
+    for k in SPREAD[2:4]:  # the sizes the plan fitted on a GPU: the run folder says what ran
+        config[k] = getattr(args, k)
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1474,6 +1521,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                  kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
                  equal_groups_kept=batch["equal_groups"].sum(),
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
+                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
@@ -1489,7 +1537,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "truncated_frac": sums["truncated"] / sums["kept_replies"],
                "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
-               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens"] / times["time_sample"],
+               "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
+               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
                "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
                                                              dtype=torch.float64, device=run.device),
                                                 dist.ReduceOp.MAX).item(),  # the largest rank's
@@ -1563,6 +1612,18 @@ STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile")
 # Flags added since runs began to be resumed, with what a run from before them did
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss"}
+# Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
+# what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
+# like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
+SEMANTICS = {
+    "k1_score_term": (lambda c: c.get("kl_estimator") == "k1" and c.get("kl_coef") and c.get("kl_placement") in
+                      (None, "loss"), "k1 in the loss carries its score-function term: its gradient is that of "
+                      "KL(pi_theta || pi_ref) (it was 0 in expectation)"),
+    "no_signal_kl_free": (lambda c: c.get("kl_coef") and c.get("kl_placement") in (None, "loss") and not
+                          c.get("entropy_coef"), "an optimizer step without policy signal is the KL-free one"),
+    "distinct_questions": (lambda c: c.get("task") != "sort",  # the sort task's one epoch never ends
+                           "a step that straddles two epochs takes each question once"),
+}
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
           "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
@@ -1585,6 +1646,8 @@ def resume(args, run):
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
     if run_config.get("optimizer") == "muon" and not run_config.get("lora_rank"):  # runs from before versions: v1
         run_config.setdefault("optimizer_version", "v1")
+    had = run_config.get("semantics", ["k1_score_term"] if "kl_placement" in run_config else [])
+    semantics = [name for name, (concerned, _) in SEMANTICS.items() if name not in had and concerned(run_config)]
     for k, v in SINCE.items():  # flags newer than the run: it ran as their value then
         run_config.setdefault(k, v)
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
@@ -1592,7 +1655,7 @@ def resume(args, run):
             sys.exit(f"error: --resume: the run's {INPUTS[name]} changed since it started (sha256 {str(digest)[:12]} "
                      f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
-    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs")
+    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
     refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
     if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
@@ -1605,11 +1668,16 @@ def resume(args, run):
         return 0
     step = saved[-1]
     changes = {k: [run_config.get(k), config[k]] for k in differing}
+    if semantics:
+        changes["semantics"] = [had, config["semantics"]]
+        run.log(f"note: resuming at step {step} a run from before these changes, which it now runs with: "
+                + "; ".join(SEMANTICS[name][1] for name in semantics))
     history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
     if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
         config["resumed_with"] = history
-    if changes:
-        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+    if set(changes) - {"semantics"}:
+        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()
+                                                                   if k != "semantics")
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
     files = ", ".join(os.path.join(checkpoint_dir, f"{kind}_{step:06d}.{ext}") for kind, ext in
                       (("model", "pt"), ("meta", "json"), ("state", "pt")))
@@ -1680,7 +1748,7 @@ def update_stats(device):
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
                 grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
-                skipped_updates=0, empty_updates=0, stepped=False,
+                skipped_updates=0, empty_updates=0, no_signal_updates=0, stepped=False,
                 weights_finite=torch.ones((), dtype=torch.bool, device=device))
 
 
@@ -1769,6 +1837,7 @@ def finish_update_stats(stats, args, with_kl):
         "weight_norm_factor": stats["weight_norm_factor"].item(),
         "skipped_updates": stats["skipped_updates"],
         "empty_updates": stats["empty_updates"],
+        "no_signal_updates": stats["no_signal_updates"],
         "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
     }
 
@@ -1874,20 +1943,42 @@ def progress(label, done, total, start):
 # -----------------------------------------------------------------------------
 # Data order and distributed helpers (identity in a single process)
 
-@functools.lru_cache(maxsize=4)
-def epoch_order(num_examples, seed, epoch):
-    return torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+EPOCH_ORDERS = {}  # (num_examples, seed, prompts_per_step) -> (the latest epoch computed, its order)
+
+
+def epoch_order(num_examples, seed, epoch, prompts_per_step):
+    """The order in which the steps take epoch `epoch` (>= 1) of the questions: a permutation drawn from (seed,
+    epoch), except that a step which straddles the boundary with the previous epoch takes no question twice (the
+    same question with the same noise, seed-step-question, would be the same group twice): the questions it still
+    holds of the previous epoch are drawn later in this one. Each epoch depends on the end of the one before, so
+    the orders are computed forward from epoch 1, the latest kept."""
+    key = (num_examples, seed, prompts_per_step)
+    done, order = EPOCH_ORDERS.get(key, (0, None))
+    if done > epoch:
+        done, order = 0, None
+    while done < epoch:
+        done += 1
+        straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
+        held = set(order[num_examples - straddled:] if order is not None else  # epoch 0: the task's own order
+                   range(num_examples - straddled, num_examples)) if straddled else set()
+        shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
+        free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
+        taken = set(free)
+        order = free + [q for q in shuffled if q not in taken]
+    EPOCH_ORDERS[key] = (done, order)
+    return order
 
 
 def prompt_indices(step, rank, world_size, args, num_examples):
     """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
-    picks up exactly where it stopped. Epoch 0 keeps the task's own (seeded) order, later epochs reshuffle."""
+    picks up exactly where it stopped. Epoch 0 keeps the task's own (fixed) order, later epochs reshuffle
+    (epoch_order); a step's questions are distinct (given as many questions as a step takes)."""
     per_rank = args.prompts_per_step // world_size
     first = step * args.prompts_per_step + rank * per_rank
     indices = []
     for g in range(first, first + per_rank):
         epoch, i = divmod(g, num_examples)
-        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch)[i])
+        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i])
     return indices
 
 

@@ -103,3 +103,22 @@ def test_no_line_of_the_trainer_is_over_120_characters():
 def test_help_shows_each_flags_own_default():
     text = grpo.parser.format_help()
     assert "replies per question (the group size G) (default: 16)" in text and "(default: None)" not in text
+
+
+def help_of(flag):
+    """The help text of one flag, as --help prints it (whitespace joined)."""
+    action = next(a for a in grpo.parser._actions if flag in a.option_strings)
+    return " ".join(grpo.HelpFormatter("grpo.py")._get_help_string(action).split()) % vars(action)
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--entropy-coef", "--weight-decay", "--grad-clip", "--warmup-steps",
+                                  "--min-lr-frac", "--lora-rank"])
+def test_help_shows_a_default_of_zero(flag):
+    assert help_of(flag).endswith(("(default: 0)", "(default: 0.0)")), help_of(flag)
+
+
+def test_help_says_what_the_seed_seeds_and_what_the_kl_in_the_reward_does_to_equal_groups():
+    seed = help_of("--seed")
+    assert "sampling" in seed and "every epoch but the first" in seed and "fixed order" in seed
+    placement = help_of("--kl-placement")
+    assert "all-equal group" in placement and all(kind in placement for kind in ("mean", "rloo", "batch", "zscore"))

@@ -285,7 +285,8 @@ def gsm8k_folder(path, rows):
 
 def test_resume_refuses_changed_gsm8k_files(tmp_path, run_killed_after_first_save, capsys):
     data = gsm8k_folder(tmp_path / "gsm8k", [GOOD_ROW] * 4)
-    argv = flags(tmp_path, "--task", "gsm8k", "--gsm8k-dir", str(data), "--max-new-tokens", "4", name="g")
+    argv = flags(tmp_path, "--task", "gsm8k", "--gsm8k-dir", str(data), "--max-new-tokens", "4", "--prompts-per-step",
+                 "4", name="g")
     run_killed_after_first_save(argv)
     config = json.load(open(tmp_path / "runs" / "g" / "config.json"))
     assert config["inputs"]["train"] == hashlib.sha256((data / "train.jsonl").read_bytes()).hexdigest()
@@ -297,6 +298,13 @@ def test_resume_refuses_changed_gsm8k_files(tmp_path, run_killed_after_first_sav
     message = exit_info.value.code
     assert message.startswith("error: --resume: the run's train data (--gsm8k-dir) changed since it started")
     assert "--init " in message and snapshot(tmp_path / "runs") == before
+
+
+def test_more_questions_a_step_than_the_task_has_is_refused(tmp_path):
+    data = gsm8k_folder(tmp_path / "gsm8k", [GOOD_ROW] * 4)
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(flags(tmp_path, "--task", "gsm8k", "--gsm8k-dir", str(data), "--prompts-per-step", "8", name="g"))
+    assert exit_info.value.code.startswith("error: --prompts-per-step 8 is more than the 4 questions")
 
 
 def test_resume_refuses_a_changed_start_tokenizer(tmp_path, run_killed_after_first_save):

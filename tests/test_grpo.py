@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +55,11 @@ def sampled_batch(args, seed=0):
     rewards = torch.tensor([[0.0, 1.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.9]] * 4)[:, :args.num_samples]
     rewards[3] = 0.7  # an all-equal group
     return model, grpo.make_batch(prompts, samples, rewards, args)
+
+
+def replan(batch, args):
+    """The micro-batches planned again, after a test changed the batch's masks."""
+    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = grpo.plan_micro_batches(batch, args)
 
 
 def gradients(model, batch, args):
@@ -204,7 +210,7 @@ def test_an_empty_minibatch_takes_no_optimizer_step():
     grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch["loss_mask"].zero_()  # every group dropped
-    batch["micro_batches"], batch["minibatch_counts"] = grpo.plan_micro_batches(batch, args)
+    replan(batch, args)
     stats, _ = grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
     assert stats["empty_updates"] == args.ppo_epochs * args.num_minibatches and stats["skipped_updates"] == 0
     for k, v in model.state_dict().items():
@@ -260,7 +266,8 @@ def test_the_tasks_tool_reaches_the_sampler_in_training_and_eval(monkeypatch):
 def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
     """sample_groups without a model: question i's group has differing rewards iff i % 3 == 0; its tokens are i."""
     rewards = torch.tensor([[float(i % 3 == 0), 0.0] for i in indices])
-    return dict(prompts=[[i] for i in indices], samples={"tokens": torch.tensor(indices).repeat_interleave(2)[:, None]},
+    tokens = torch.tensor(indices).repeat_interleave(2)[:, None]
+    return dict(prompts=[[i] for i in indices], samples={"tokens": tokens, "lengths": torch.ones(len(tokens))},
                 rewards=rewards, task_rewards=rewards, terms=rewards[..., None], penalty=torch.zeros_like(rewards))
 
 
@@ -289,7 +296,15 @@ def test_dynamic_sampling_fills_the_step_with_differing_groups(monkeypatch):
 def test_dynamic_sampling_run_resumes_exactly(tmp_path, monkeypatch, run_killed_after_first_save):
     monkeypatch.setattr(Sort, "reward", lambda self, conversation, reply: float(sum(reply.encode()) % 5 == 0))
     flags = ["--algo", "dapo", "--num-steps", "2", "--save-every", "1"]
-    grpo.main(run_flags(tmp_path, "straight", *flags))
+    sampled, sample_groups = [], grpo.sample_groups  # every reply's tokens, of every round
+
+    def recorded(*a, **k):
+        groups = sample_groups(*a, **k)
+        sampled.append(groups["samples"]["lengths"].sum().item())
+        return groups
+    with monkeypatch.context() as patched:
+        patched.setattr(grpo, "sample_groups", recorded)
+        grpo.main(run_flags(tmp_path, "straight", *flags))
     run_killed_after_first_save(run_flags(tmp_path, "resumed", *flags))
     grpo.main(run_flags(tmp_path, "resumed", *flags, "--resume"))
     for (k, a), b in zip(final_state(tmp_path, "straight", 2).items(), final_state(tmp_path, "resumed", 2).values()):
@@ -299,6 +314,11 @@ def test_dynamic_sampling_run_resumes_exactly(tmp_path, monkeypatch, run_killed_
     # logged: the policy's own reward and equal groups over every group drawn, and those of the groups kept
     assert all(m["equal_group_frac_kept"] < m["equal_group_frac"] for m in metrics)
     assert metrics[-1]["equal_group_frac_kept"] < 0.5 and metrics[0]["reward_kept"] != metrics[0]["reward"]
+    # tokens_per_s: every token sampled, over the time of every round (not only the kept replies' tokens)
+    steps = [m for m in metrics if "tokens_per_s" in m]
+    assert sum(m["tokens_per_s"] * m["time_sample"] for m in steps) == pytest.approx(sum(sampled), rel=1e-9)
+    assert sum(m["tokens_sampled"] for m in steps) == sum(sampled)
+    assert all(m["reply_len"] * 8 * 4 < m["tokens_sampled"] for m in steps)  # reply_len: the kept replies'
 
 
 # ---------------------------------------------------------------------------- the terms, by hand
@@ -352,7 +372,7 @@ def test_sequence_ratio_equals_token_ratio_when_replies_have_one_token():
         model, batch = sampled_batch(args)
         first = batch["loss_mask"].argmax(dim=1)
         batch["loss_mask"].zero_()[torch.arange(len(first)), first] = 1.0  # one policy token per reply
-        batch["micro_batches"], batch["minibatch_counts"] = grpo.plan_micro_batches(batch, args)
+        replan(batch, args)
         stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
         results.append((stats, model.state_dict()))
     (token_stats, token_state), (sequence_stats, sequence_state) = results
@@ -427,6 +447,78 @@ def test_kl_in_the_reward_shapes_the_advantages_and_leaves_the_loss():
     stats, _ = grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST, ref_model)
     torch.testing.assert_close(batch["advantages"], want, rtol=0, atol=1e-5)
     assert stats["kl"] > 0 and stats["loss"] == pytest.approx(stats["loss_policy"], abs=1e-9)
+
+
+def test_kl_in_the_reward_counts_every_sampled_token_of_replies_the_loss_leaves_out():
+    # --mask-truncated leaves cut-off replies out of the loss, but they still count in their group's mean and std:
+    # their KL must be theirs, not 0
+    args = args_for("--algo", "grpo", "--kl-placement", "reward", "--kl-coef", "0.5", "--ppo-epochs", "1",
+                    "--mask-truncated", "--drop-equal-groups")
+    model, batch = sampled_batch(args)
+    assert (batch["loss_mask"].sum(dim=1) == 0).any() and (batch["loss_mask"].sum(dim=1) > 0).any()
+    ref_model = copy.deepcopy(model)
+    for p in ref_model.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    with torch.no_grad():
+        old, ref = (net.token_logprobs(batch["input_ids"], batch["target_ids"]) for net in (model, ref_model))
+    _, unfiltered = sampled_batch(args_for("--algo", "grpo"))  # the same replies, every sampled token in the loss
+    sampled = unfiltered["loss_mask"]
+    assert (sampled.sum(dim=1) > 0).all()  # every reply sampled tokens
+    penalty = 0.5 * ((old - ref) * sampled).sum(dim=1)
+    want = grpo.group_advantages(batch["rewards"] - penalty.view_as(batch["rewards"]), "zscore").flatten()
+    grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST, ref_model)
+    torch.testing.assert_close(batch["advantages"], want, rtol=0, atol=1e-5)
+
+
+def no_signal_batch(args):
+    """A sampled batch whose every group got one reward: every advantage is 0."""
+    model, batch = sampled_batch(args)
+    batch["rewards"] = torch.full_like(batch["rewards"], 0.5)
+    batch["advantages"] = grpo.group_advantages(batch["rewards"], args.advantage).flatten()
+    return model, batch
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_a_step_without_policy_signal_is_the_kl_free_step(optimizer):
+    # Every advantage 0, a reference a little off the policy: the KL's gradient alone is tiny, and Muon and Adam
+    # normalise a step's scale, so it used to move the weights by a full step away from the reference. The step
+    # must be the one a KL-free run takes (a zero gradient), two steps in a row (momentum), with 2 minibatches.
+    flags = ["--algo", "grpo", "--optimizer", optimizer, "--num-minibatches", "2"]
+    results = []
+    for kl in ("0.04", "0"):
+        args = args_for(*flags, "--kl-coef", kl)
+        model, batch = no_signal_batch(args)
+        ref_model = copy.deepcopy(model).requires_grad_(False) if kl != "0" else None
+        if ref_model is not None:
+            for p in ref_model.parameters():
+                p.data.add_(1e-4 * torch.randn_like(p))
+        optimizers = grpo.make_optimizers(model, args)
+        for _ in range(2):
+            stats, _ = grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST, ref_model)
+        results.append((model.state_dict(), stats))
+    (with_kl, stats_kl), (without_kl, stats_free) = results
+    for k, v in with_kl.items():
+        assert torch.equal(v, without_kl[k]), k
+    assert stats_kl["kl"] > 0 and stats_kl["no_signal_updates"] == stats_free["no_signal_updates"] == 4
+
+
+def test_a_step_with_policy_signal_or_an_entropy_bonus_has_the_kl_in_its_gradient():
+    args = args_for("--algo", "grpo", "--kl-coef", "0.04", "--ppo-epochs", "1")
+    model, batch = sampled_batch(args)
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    for p in ref_model.parameters():
+        p.data.add_(1e-2 * torch.randn_like(p))
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, ref_model)
+    (without_ref,), _ = gradients(model, batch, args)
+    assert stats["no_signal_updates"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(recorder.grads[0], without_ref))
+    # no advantage, but an entropy bonus: a signal, the KL stays in the gradient
+    args = args_for("--algo", "grpo", "--kl-coef", "0.04", "--ppo-epochs", "1", "--entropy-coef", "0.01")
+    model, batch = no_signal_batch(args)
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, ref_model)
+    assert stats["no_signal_updates"] == 0 and any(g.abs().sum() > 0 for g in recorder.grads[0])
 
 
 def test_advantages_by_hand_and_all_equal_groups():
@@ -550,6 +642,9 @@ def test_presets_and_explicit_overrides():
     (["--run-name", "../../x"], "plain folder name"),
     (["--run-name", "/tmp/x"], "plain folder name"),
     (["--run-name", ".."], "plain folder name"),
+    (["--algo", "gspo", "--aggregation", "token"], "--ratio-level sequence with --aggregation token"),
+    (["--algo", "gspo", "--aggregation", "constant"], "--ratio-level sequence with --aggregation constant"),
+    (["--algo", "reinforce", "--ratio-level", "sequence"], "--ratio-level sequence with --aggregation nanochat"),
 ])
 def test_bad_flags_exit_2_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -613,6 +708,51 @@ def test_a_run_from_before_the_newest_flags_resumes_as_it_ran(tmp_path, run_kill
     grpo.main(flags + ["--resume"])
     assert "resumed from step 1" in capsys.readouterr().out
     assert "resumed_with" not in json.load(open(config_path))  # nothing changed: still one seed of its configuration
+
+
+def test_a_k1_run_from_before_its_score_function_term_resumes_with_a_note(tmp_path, run_killed_after_first_save,
+                                                                          capsys):
+    flags = run_flags(tmp_path, "k1", "--num-steps", "2", "--save-every", "1", "--algo", "grpo", "--kl-estimator",
+                      "k1", "--entropy-coef", "0.01")
+    run_killed_after_first_save(flags)
+    config_path = tmp_path / "k1" / "config.json"
+    config = json.load(open(config_path))
+    assert config["semantics"] == sorted(grpo.SEMANTICS)
+    for k in ("kl_placement", "semantics"):  # as a run from before --kl-placement, which came with the k1 change
+        del config[k]
+    config_path.write_text(json.dumps(config))
+    capsys.readouterr()
+    grpo.main(flags + ["--resume"])
+    out = capsys.readouterr().out
+    assert "resumed from step 1" in out and "k1 in the loss carries its score-function term" in out
+    assert "without policy signal" not in out  # the entropy bonus is a signal: that change does not concern it
+    resumed_with = json.load(open(config_path))["resumed_with"]
+    assert resumed_with == [{"step": 1, "semantics": [[], sorted(grpo.SEMANTICS)]}]
+
+
+def test_config_json_holds_the_sizes_the_memory_plan_fitted(tmp_path, run_killed_after_first_save, monkeypatch,
+                                                            capsys):
+    # On a GPU the plan fits --device-batch-size and --sample-batch-size; mocked here on the CPU
+    fitted_plan = grpo.fitted_plan
+
+    def fitting(rows, replies):
+        def fit(model, args, *a):
+            args.device_batch_size, args.sample_batch_size = rows, replies
+            return fitted_plan(model, args, *a)
+        return fit
+    flags = run_flags(tmp_path, "fitted", "--num-steps", "2", "--save-every", "1")
+    monkeypatch.setattr(grpo, "fitted_plan", fitting(5, 16))
+    run_killed_after_first_save(flags)
+    config = json.load(open(tmp_path / "fitted" / "config.json"))
+    assert (config["device_batch_size"], config["sample_batch_size"]) == (5, 16)
+    monkeypatch.setattr(grpo, "fitted_plan", fitting(3, 8))  # another GPU fits other sizes
+    capsys.readouterr()
+    grpo.main(flags + ["--resume"])
+    out = capsys.readouterr().out
+    assert "device_batch_size 5 -> 3" in out and "sample_batch_size 16 -> 8" in out
+    config = json.load(open(tmp_path / "fitted" / "config.json"))
+    assert config["resumed_with"] == [{"step": 1, "device_batch_size": [5, 3], "sample_batch_size": [16, 8]}]
+    assert (config["device_batch_size"], config["sample_batch_size"]) == (3, 8)
 
 
 def test_a_run_stopped_out_of_memory_resumes_with_the_smaller_chunks_its_stop_line_names(tmp_path, capsys,
@@ -1066,3 +1206,35 @@ def test_sampling_in_chunks_of_whole_groups_gives_the_same_replies():
             assert torch.equal(chunked["samples"][k], v) if k != "logprobs" else torch.allclose(
                 chunked["samples"][k], v, rtol=1e-5, atol=1e-6), (rows, k)
         assert torch.equal(chunked["rewards"], whole["rewards"])
+
+
+@pytest.mark.parametrize("prompts_per_step", [64, 128])
+def test_a_steps_questions_are_distinct_across_epoch_boundaries(prompts_per_step):
+    # GSM8K's train split has 7,473 questions; a step that straddles two epochs used to take some twice, with the
+    # same noise (seed, step, question): the same group twice. Over 10 epochs, on 1, 2 and 4 ranks.
+    n, epochs = 7473, 10
+    args = SimpleNamespace(prompts_per_step=prompts_per_step, seed=3)
+    steps = -(-n * epochs // prompts_per_step)
+    by_step = [grpo.prompt_indices(step, 0, 1, args, n) for step in range(steps)]
+    for step, questions in enumerate(by_step):
+        assert len(set(questions)) == prompts_per_step, step
+    stream = [q for questions in by_step for q in questions]
+    for epoch in range(epochs):  # every epoch still takes every question once
+        assert sorted(stream[epoch * n:(epoch + 1) * n]) == list(range(n)), epoch
+    assert stream[:n] == list(range(n))  # the first epoch: the task's own order
+    for world_size in (2, 4):  # the ranks' shares make up the one process's step, whatever their number
+        for step in (0, 116, steps - 1):
+            assert sum((grpo.prompt_indices(step, r, world_size, args, n) for r in range(world_size)), []) == \
+                by_step[step]
+
+
+def test_a_step_holds_its_questions_once_also_when_a_task_has_few_more_than_a_step():
+    args = SimpleNamespace(prompts_per_step=48, seed=0)
+    n = 70  # fewer than two steps' questions: an epoch's start and end can meet in one step
+    stream = []
+    for step in range(40):
+        questions = grpo.prompt_indices(step, 0, 1, args, n)
+        assert len(set(questions)) == 48, step
+        stream += questions
+    for epoch in range(len(stream) // n):
+        assert sorted(stream[epoch * n:(epoch + 1) * n]) == list(range(n)), epoch
