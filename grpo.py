@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
-                   load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir,
+                   load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows,
                    save_checkpoint, stop_signal, writing)
 from tasks.gsm8k import GSM8K
 from tasks.sort import Sort
@@ -202,8 +202,12 @@ arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/
 arg = parser.add_argument_group("devices and processes").add_argument
 arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
 arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
-arg("--device-batch-size", type=count, default=None, help="rows per forward/backward pass: memory, not the result "
-    "(default: on a GPU as many as its free memory holds beside the rest, else 8)")
+arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
+    "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest")
+arg("--tokens-per-pass", type=count, default=None, help="--pack: tokens a forward/backward pass, rows packed into it "
+    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)")
+arg("--device-batch-size", type=count, default=None, help="--no-pack: rows per forward/backward pass: memory, not the "
+    "result (default: on a GPU as many as its free memory holds beside the rest, else 8)")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
     help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
@@ -483,11 +487,12 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
 # -----------------------------------------------------------------------------
 # One step of training: the batch, the frozen log-probs, the update
 
-def make_batch(prompts, samples, rewards, args):
+def make_batch(prompts, samples, rewards, args, static=None):
     """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
     padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
     The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
-    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device."""
+    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device.
+    static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come)."""
     G = args.num_samples
     lengths = samples["lengths"].tolist()
     widths = [len(prompts[row // G]) + lengths[row] - 1 for row in range(len(lengths))]  # input tokens per row
@@ -517,21 +522,21 @@ def make_batch(prompts, samples, rewards, args):
                  equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
     if args.aggregation == "nanochat":
         batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
-    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = plan_micro_batches(batch, args)
+    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = plan_micro_batches(batch, args,
+                                                                                                  static)
     return batch
 
 
-def plan_micro_batches(batch, args):
+def plan_micro_batches(batch, args, static=None):
     """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
     rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies
-    whose global row number is j modulo num_minibatches: each rank holds a contiguous block of N rows, so the union
-    over ranks of a minibatch is one process's and any number of ranks takes the same steps. In a minibatch each
-    question's replies go longest first, and runs of --device-batch-size rows (memory only) make the micro-batches,
-    each cut to its own longest row: little padding, and micro-batches that do not depend on the number of ranks
-    (sorting across questions would mix rows that different ranks hold). Each carries the positions its log-probs
-    are needed at (flat indices: the loss's, and with the KL in the reward every sampled token's), so that the
-    forward passes never ask the device which they are (a host sync per pass)."""
+    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
+    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
+    same steps. With --pack (pack_micro_batch) a minibatch's rows go first-fit, longest first, into passes of at
+    most --tokens-per-pass tokens: real tokens only. With --no-pack each question's replies go longest first, and
+    runs of --device-batch-size rows make the passes, each cut to its own longest row. Each micro-batch carries the
+    positions its log-probs are needed at (flat indices: the loss's, and with the KL in the reward every sampled
+    token's), so that the forward passes never ask the device which they are (a host sync per pass)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -542,14 +547,21 @@ def plan_micro_batches(batch, args):
         rows = [r for r in range(N) if row_minibatch[r] == j]
         mask = batch["loss_mask"][rows]
         counts.append([float(aggregation_count(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
-        rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
-        for i in range(0, len(rows), args.device_batch_size):
-            chunk = rows[i:i + args.device_batch_size]
+        if args.pack:
+            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
+        else:
+            rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
+            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
+        for chunk in passes:
             width = max(widths[r] for r in chunk)
-            chunk = torch.tensor(chunk)
             mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                                       "sampler_logprobs")}
-            mb.update(minibatch=j, rows=chunk, positions=mb[needed].flatten().nonzero().squeeze(1))  # [K]
+                                                       "sampler_logprobs")}  # [R, width], the rows' own layout
+            mb.update(minibatch=j, rows=torch.tensor(chunk))
+            if args.pack:
+                mb.update(pack_micro_batch(mb, [widths[r] for r in chunk], args.tokens_per_pass, static))
+                mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
+            else:
+                mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
             micro_batches.append(mb)
     return micro_batches, torch.tensor(counts, dtype=torch.float64), torch.tensor(row_minibatch)
 
@@ -565,12 +577,23 @@ def to_device(batch, device):
     return move(batch)
 
 
+def logprobs_of(net, mb, args, with_entropy=False):
+    """A micro-batch's log-probs (and entropies) in its rows' layout, [R, width]: a packed pass runs as one
+    sequence, and each row's tokens are taken back out of it."""
+    out = net.token_logprobs(mb["packed_input_ids" if "pack" in mb else "input_ids"],
+                             mb["packed_target_ids" if "pack" in mb else "target_ids"], args.temperature,
+                             with_entropy=with_entropy, positions=mb["positions"], pack=mb.get("pack"))
+    if "pack" in mb:
+        out = tuple(t.flatten()[mb["row_positions"]] for t in out) if with_entropy else out.flatten()[
+            mb["row_positions"]]
+    return out
+
+
 @torch.no_grad()
 def frozen_logprobs(net, micro_batches, args, autocast):
-    """Log-probs of the micro-batches under a net that does not train (pi_old, pi_ref): one [B, width] each."""
+    """Log-probs of the micro-batches under a net that does not train (pi_old, pi_ref): one [R, width] each."""
     with autocast:
-        return [net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, positions=mb["positions"])
-                for mb in micro_batches]
+        return [logprobs_of(net, mb, args) for mb in micro_batches]
 
 
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None):
@@ -596,7 +619,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
                 else nullcontext():
             ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
     if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
-        penalty = torch.zeros_like(batch["advantages"])  # [N]
+        penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
         for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
             penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
         rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
@@ -627,8 +650,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             for i in minibatch:
                 mb = micro_batches[i]
                 with autocast, torch.set_grad_enabled(signal):
-                    logprobs, entropy = model.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature,
-                                                             with_entropy=True, positions=mb["positions"])
+                    logprobs, entropy = logprobs_of(model, mb, args, with_entropy=True)
                     if not stats["stepped"]:
                         old_logprobs[i] = logprobs.detach()
                     mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
@@ -694,7 +716,8 @@ def train(args, run):
         time_sample = time.time() - step_start
 
         # 3. Build the batch with group-relative advantages; 4-5. update the policy.
-        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args), run.device)
+        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack),
+                          run.device)
         update_start = time.time()
         stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners)
 
@@ -766,6 +789,10 @@ def out_of_memory(args, world_size, trace):
                 f"{args.num_samples}), or --max-new-tokens")
     if phase in ("frozen_logprobs", "policy_update"):
         what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
+        if args.pack:
+            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
+                    "lower --tokens-per-pass (the result is the same, in more passes; at least the longest prompt "
+                    "and reply)")
         return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
                 f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
                 "result is the same, in more passes) or --max-new-tokens")
@@ -831,9 +858,10 @@ def resolve_config(argv=None):
         args.lora_alpha = 2.0 * args.lora_rank
     if args.shard_optimizer is None:
         args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if args.device_batch_size is None and not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-                                               ).startswith("cuda"):
-        args.device_batch_size = 8  # on a GPU the memory plan fits it (fitted_plan)
+    if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        # on a GPU the memory plan fits them (fitted_plan)
+        args.device_batch_size = 8 if args.device_batch_size is None else args.device_batch_size
+        args.tokens_per_pass = 4096 if args.tokens_per_pass is None else args.tokens_per_pass
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -943,7 +971,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
     rows = sample_batch_rows(args, world_size)
     kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
-    micro_rows = min(args.device_batch_size, args.prompts_per_step // world_size * args.num_samples)
+    micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
+    if args.pack:
+        activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
+                       pass_activations(c, args.tokens_per_pass, compute_bytes))
+    else:
+        activations = (f"update: activations of {micro_rows} rows (estimate)", micro_rows * (
+            length * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + args.max_new_tokens * c.vocab_size * 4 * 2))
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
@@ -953,9 +987,14 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
         # ~34 bytes per token, layer and unit of width at 16 bits (Korthikanti et al. 2022, attention scores not
         # kept), and the head's float32 logits and their gradient at the reply tokens
-        f"update: activations of {micro_rows} rows (estimate)": micro_rows * (
-            length * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + args.max_new_tokens * c.vocab_size * 4 * 2),
+        activations[0]: activations[1],
     }
+
+
+def pass_activations(c, tokens, compute_bytes):
+    """Bytes of a packed pass of this many tokens: as memory_plan's rows, per token; the head runs in chunks of
+    at most 16,384 positions (token_logprobs), one chunk's logits alive at a time."""
+    return tokens * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + min(tokens, 16384) * c.vocab_size * 4 * 2
 
 
 def size(n):
@@ -1013,18 +1052,25 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
     Off a GPU, --ref-offload keeps the reference where it is: counted."""
     planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False))
+    longest_row = longest_prompt + args.max_new_tokens - 1
     smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
-                                                         device_batch_size=1)), world_size, longest_prompt, dtype)
+                                                         device_batch_size=1, tokens_per_pass=longest_row)),
+                           world_size, longest_prompt, dtype)
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
+    room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
+    rows = args.prompts_per_step // world_size * args.num_samples
     if args.device_batch_size is None:
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
-        room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
-        rows = args.prompts_per_step // world_size * args.num_samples
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
+    if args.tokens_per_pass is None:  # the most that fit, a multiple of 128 (the kernels' tiles), at most the step
+        compute_bytes = 2 if dtype == "bfloat16" else 4
+        fits = [t for t in range(128, rows * longest_row + 128, 128)
+                if pass_activations(model.config, t, compute_bytes) <= room]
+        args.tokens_per_pass = max([longest_row] + fits[-1:])
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
-                                     sample_batch_size=args.sample_batch_size))
+                                     sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
     return memory_plan(model, planned, world_size, longest_prompt, dtype,
                        smallest["optimizer state per rank"]), smallest
 
@@ -1041,6 +1087,11 @@ def plan_memory(args, world_size, device, dtype, task, log):
     if args.ref_offload and not gpu:
         log("note: --ref-offload keeps the reference off a GPU; on the CPU it stays where it is")
     plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu)
+    longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
+    if args.pack and longest_row > args.tokens_per_pass:
+        sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
+                 f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
+                 f"raise it to at least {longest_row}, or lower --max-new-tokens")
     if plan_peak(smallest) > free:
         remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
             "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
@@ -1049,7 +1100,8 @@ def plan_memory(args, world_size, device, dtype, task, log):
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
                                                     if world_size > 1 and args.shard_optimizer else "") + (
-        f"; --device-batch-size {args.device_batch_size}")
+        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack
+        else f"; --device-batch-size {args.device_batch_size}")
     log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
@@ -1058,8 +1110,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
-        log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: "
-            "lower --sample-batch-size or --device-batch-size if the run runs out of memory")
+        log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
+            f"--sample-batch-size or {'--tokens-per-pass' if args.pack else '--device-batch-size'} if the run runs out "
+            "of memory")
+    return longest_prompt
 
 
 @contextmanager
@@ -1115,9 +1169,13 @@ def start_run(args, run_dir, rank, writes):
     if args.prompts_per_step > len(train_task):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
-    plan_memory(args, world_size, device, dtype, train_task, log)
-    for k in SPREAD[2:4]:  # the sizes the plan fitted on a GPU: the run folder says what ran
-        config[k] = getattr(args, k)
+    longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
+    for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
+        config[k] = getattr(args, k)  # the run folder says what ran
+    rows = -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)  # a minibatch's, a rank
+    # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as a
+    # minibatch holds
+    static_pack = (rows, longest_prompt + args.max_new_tokens - 1) if args.compile and args.pack else None
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1153,6 +1211,7 @@ def start_run(args, run_dir, rank, writes):
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, optimizers=optimizers, owners=owners, config=config,
+                          static_pack=static_pack,
                           run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
                           metrics_path=os.path.join(run_dir, "metrics.jsonl"),
@@ -1609,9 +1668,10 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
 # steps up to float rounding (another summation order); a change is noted like the step sizes'.
-SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile")
+SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile", "pack",
+          "tokens_per_pass")
 # Flags added since runs began to be resumed, with what a run from before them did
-SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss"}
+SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -1938,6 +1998,43 @@ def progress(label, done, total, start):
         left = elapsed / done * (total - done) if done else 0
         print(f"\r{label}: {done}/{total} ({elapsed:.0f}s, ~{left:.0f}s left)", end="" if done < total else "\n",
               flush=True)
+
+
+# -----------------------------------------------------------------------------
+# Packed passes: which rows share a pass, and their layout as one sequence
+
+def first_fit_decreasing(rows, widths, budget):
+    """rows -> passes of rows whose widths sum to at most budget: each row, longest first, into the first pass with
+    room (first-fit decreasing: within 11/9 of the fewest passes). A row wider than the budget (refused at start,
+    plan_memory) gets a pass of its own."""
+    passes, room = [], []
+    for r in sorted(rows, key=lambda r: -widths[r]):  # a stable sort: equal widths keep their order
+        i = next((i for i, free in enumerate(room) if free >= widths[r]), len(passes))
+        if i == len(passes):
+            passes.append([])
+            room.append(budget)
+        passes[i].append(r)
+        room[i] -= widths[r]
+    return passes
+
+
+def pack_micro_batch(mb, widths, budget, static):
+    """A micro-batch's rows [R, width] as one packed sequence: -> packed_input_ids, packed_target_ids [1, total],
+    the pack GPT.hidden takes, and row_positions [R, width] (each row token's flat position in the sequence). total:
+    the rows' tokens, or with static (rows, tokens a row) the budget, the tail padded, and the pack's tensors padded
+    to those sizes: one shape for every pass of the run, so that a compiled forward is built once."""
+    real = sum(widths)
+    total, max_rows, max_len = (real, len(widths), max(widths)) if static is None else (
+        max(budget, real), max(static[0], len(widths)), max(static[1], max(widths)))
+    pack, row_positions = pack_rows(widths, total, max_rows, max_len)
+    width = mb["input_ids"].size(1)
+    row_positions = row_positions[:, :width]
+    keep = torch.arange(width)[None] < torch.tensor(widths)[:, None]  # [R, width]: each row's real tokens
+    packed = {}
+    for k in ("input_ids", "target_ids"):
+        packed[f"packed_{k}"] = torch.zeros(1, total, dtype=mb[k].dtype)
+        packed[f"packed_{k}"][0, row_positions[keep]] = mb[k][keep]
+    return dict(packed, pack=pack, row_positions=row_positions)
 
 
 # -----------------------------------------------------------------------------

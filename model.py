@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class CausalSelfAttention(nn.Module):
         # one gate per KV head, read off the first few channels of this layer's input
         self.ve_gate = nn.Linear(generation.ve_gate_channels, self.n_kv_head, bias=False) if has_value_embed else None
 
-    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer):
+    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer, pack=None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -180,6 +181,9 @@ class CausalSelfAttention(nn.Module):
         # here, the same rounding, so that the KV cache holds what attention reads (half the bytes of float32, and no
         # cast of the whole cache in every decode step). A no-op without autocast and on the CPU.
         q, k = q.to(v.dtype), k.to(v.dtype)
+        if pack is not None:  # B = 1: rows packed one after another, each attending within itself only
+            y = packed_attention(q[0], k[0], v[0], pack, attn_mask, self.window, self.n_kv_head != self.n_head)
+            return self.c_proj(y.reshape(B, T, C))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
@@ -190,6 +194,23 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
                                                enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def packed_attention(q, k, v, pack, mask, window, gqa):
+    """Causal attention of rows packed into one sequence: q [T, H, hd], k, v [T, H_kv, hd] -> [T, H, hd], each row
+    attending to its own earlier tokens only (and within `window` keys back). pack (GPT.hidden): each row's span,
+    as cu_seqlens [S + 1] (the tail's padding one more span) and as a padded block of flat indices rows [R, L].
+    On CUDA in bf16/fp16 flash attention over the spans (varlen_attn); elsewhere, and exact: the rows gathered into
+    the padded block, causal attention there (mask: the window's, [L, L], or None), and scattered back. Neither
+    ever lets a token see another row."""
+    L = pack["max_len"]
+    reach = -1 if window is None or window >= L - 1 else window  # -1: the whole row back
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256:
+        return varlen_attn(q, k, v, pack["cu_seqlens"], pack["cu_seqlens"], L, L, window_size=(reach, 0),
+                           enable_gqa=gqa)
+    q, k, v = (t[pack["rows"]].transpose(1, 2) for t in (q, k, v))  # [R, H, L, hd]
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+    return y.transpose(1, 2).flatten(0, 1)[pack["flat"]]  # [R * L, H, hd] -> [T, H, hd]
 
 
 class MLP(nn.Module):
@@ -208,8 +229,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, generation, has_value_embed)
         self.mlp = MLP(config)
 
-    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer):
-        x = x + self.attn(norm(x), value_embed, cos_sin, attn_mask, cache, layer)
+    def forward(self, x, value_embed, cos_sin, attn_mask, cache, layer, pack=None):
+        x = x + self.attn(norm(x), value_embed, cos_sin, attn_mask, cache, layer, pack)
         return x + self.mlp(norm(x))
 
 
@@ -246,6 +267,8 @@ class GPT(nn.Module):
             wte=nn.Embedding(V, config.n_embd),
             h=nn.ModuleList([Block(config, gen, i in value_embed_layers) for i in range(L)]),
         ))
+        for block, window in zip(self.transformer.h, self.windows):
+            block.attn.window = window  # packed attention takes it from here (masks: attention_masks)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if gen.smear_backout:
             self.smear_gate = nn.Linear(SMEAR_GATE_CHANNELS, 1, bias=False)
@@ -312,11 +335,16 @@ class GPT(nn.Module):
                 masks[window] = None if cache is None else allowed.unsqueeze(-3)
         return positions, [masks[window] for window in self.windows]
 
-    def hidden(self, idx, cache=None):
-        """idx: [B, T] token ids -> final normalised hidden states [B, T, C]."""
+    def hidden(self, idx, cache=None, pack=None):
+        """idx: [B, T] token ids -> final normalised hidden states [B, T, C]. pack: idx is [1, T], rows packed one
+        after another (and padding at the tail), described by pack_rows; each row is computed as if it were alone:
+        its rotary positions from 0, its attention (and window) within itself, no smear from the row before."""
         B, T = idx.shape
         gen = self.generation
-        positions, masks = self.attention_masks(T, cache, idx.device)
+        if pack is None:
+            positions, masks = self.attention_masks(T, cache, idx.device)
+        else:  # the masks are those of one row of the padded block packed_attention's fallback gathers
+            positions, masks = pack["offsets"][None], self.attention_masks(pack["max_len"], None, idx.device)[1]
         # [B or 1, T, 1, head_dim / 2]
         cos_sin = (self.rotary_cos[positions][:, :, None], self.rotary_sin[positions][:, :, None])
         device_type = idx.device.type  # cast once to the dtype q and k will have, not twice in every layer
@@ -341,7 +369,7 @@ class GPT(nn.Module):
             if gen.lambdas:
                 x = self.resid_lambdas[layer] * x + self.x0_lambdas[layer] * x0
             value_embed = self.value_embeds[str(layer)](idx) if str(layer) in self.value_embeds else None
-            x = block(x, value_embed, cos_sin, masks[layer], cache, layer)
+            x = block(x, value_embed, cos_sin, masks[layer], cache, layer, pack)
             if gen.smear_backout and layer == self.config.n_layer // 2:
                 kept = x
         if kept is not None:  # backout: take part of the mid-stack residual back out before the head
@@ -352,25 +380,29 @@ class GPT(nn.Module):
 
     def logits(self, x, softcap=True):
         """Hidden states [..., C] -> float32 logits [..., vocab_size], softcapped."""
-        logits = self.lm_head(x)[..., :self.config.vocab_size].float()
+        logits = self.lm_head(x)[..., :self.config.vocab_size]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, or a float64 model's own
         return softcap_logits(logits, self.generation.softcap) if softcap else logits
 
     def forward(self, idx, cache=None, softcap=True):
         return self.logits(self.hidden(idx, cache), softcap)
 
-    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, chunk_size=16384):
+    def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, pack=None,
+                       chunk_size=16384):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
         also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
         positions [K] (flat indices into [B * T]): the head runs at these positions only, and the others are 0.
         The trainer passes those of the loss mask, computed on the host: a prompt's positions are never in the loss,
         the head is much of a forward pass's cost, and a boolean mask would make the host wait for the device.
+        pack: idx and targets [1, T] hold packed rows (hidden, pack_rows).
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
         chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
         float32 tensor is 2 GiB, and softcap + log_softmax would keep several). Logits too small to matter
         (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
         and both ways give the same numbers."""
-        x = (compiled_hidden() if self.use_compile else GPT.hidden)(self, idx).flatten(0, 1)  # [B*T, C]
+        forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
+        x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
         flat_targets = targets.flatten()
         if positions is not None:
             x, flat_targets = x[positions], flat_targets[positions]  # [K, C], [K]
@@ -391,7 +423,7 @@ class GPT(nn.Module):
             out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
         results = [torch.cat(parts) for parts in zip(*out)]  # each [B*T], or [K] with positions
         if positions is not None:
-            results = [torch.zeros(targets.numel(), device=x.device).index_copy(0, positions, r) for r in results]
+            results = [r.new_zeros(targets.numel()).index_copy(0, positions, r) for r in results]
         results = [r.view_as(targets) for r in results]
         return tuple(results) if with_entropy else results[0]
 
@@ -701,10 +733,35 @@ EXACT_CASTS = {"emulate_precision_casts": True}
 
 
 @functools.cache
-def compiled_hidden():
-    """GPT.hidden through torch.compile, once per process (each model it sees gets its own guards). Shapes are
-    dynamic: every step's batch has its own longest reply, and a compile per length would cost more than it saves."""
-    return torch.compile(GPT.hidden, dynamic=True, options=EXACT_CASTS)
+def compiled_hidden(static):
+    """GPT.hidden through torch.compile, once per process (each model it sees gets its own guards). Packed rows
+    come in one static shape (padded to the token budget), so their graph is built once; unpacked batches have
+    their own longest reply each, so their shapes are dynamic (a compile per length would cost more than it saves)."""
+    return torch.compile(GPT.hidden, dynamic=not static, options=EXACT_CASTS)
+
+
+def pack_rows(widths, total, max_rows, max_len):
+    """The layout of rows of these widths packed one after another from position 0 -> (pack, as GPT.hidden takes
+    it, on the host; each row's flat positions [R, width], for the trainer). total >= sum(widths): the packed length,
+    padding after the rows; max_rows, max_len: the shapes the row block and cu_seqlens are padded to (static shapes
+    for a compiled forward). pack: offsets [total] (each token's position in its row; 0 in the padding),
+    cu_seqlens [max_rows + 2] int32 (the rows' spans, then the padding's, then empty ones), rows [max_rows, max_len]
+    (each row's flat positions, its padding pointing at its own last token, unused rows at position 0), flat [total]
+    (each packed position's index into rows.flatten(); the padding's at an unused slot), max_len."""
+    starts = [0]
+    for w in widths:
+        starts.append(starts[-1] + w)
+    used = starts[-1]
+    offsets = torch.zeros(total, dtype=torch.long)
+    rows = torch.zeros(max_rows, max_len, dtype=torch.long)
+    flat = torch.full((total,), max_rows * max_len - 1, dtype=torch.long)  # padding: the block's last slot
+    for r, (start, w) in enumerate(zip(starts, widths)):
+        span = torch.arange(w)
+        offsets[start:start + w] = span
+        rows[r] = start + torch.arange(max_len).clamp(max=w - 1)
+        flat[start:start + w] = r * max_len + span
+    cu_seqlens = torch.tensor(starts + [total] * (max_rows + 2 - len(starts)), dtype=torch.int32)
+    return dict(offsets=offsets, cu_seqlens=cu_seqlens, rows=rows, flat=flat, max_len=max_len), rows[:len(widths)]
 
 
 def decode_step(model, cache, temperature, top_k, token, noise):

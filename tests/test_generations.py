@@ -1,5 +1,6 @@
 """Every nanochat GPT generation: against nanochat's own numbers (the fixtures in ../shared, skipped without them),
 and the same properties on models made here (always run)."""
+import copy
 import json
 import os
 import pickle
@@ -413,3 +414,49 @@ def test_grpo_trains_the_newest_fixture_on_gsm8k_and_writes_it_back(tmp_path, gs
     meta = json.load(open(out / "meta_000002.json"))
     assert meta["model_config"] == json.load(open(os.path.join(checkpoint_dir, "meta_000650.json")))["model_config"]
     assert load_checkpoint(str(out))[0].generation_name == "smear-backout"
+
+
+def packed_and_unpacked(model, rows, weights):
+    """Log-probs [R, width] and the gradient of sum(weights x log-probs) of these token rows, each right-padded in a
+    batch, and packed into one sequence (with padding at its tail and in the pack's shapes, as a static pass has)."""
+    from model import pack_rows
+    widths = [len(row) - 1 for row in rows]
+    width = max(widths)
+    mask = torch.arange(width)[None] < torch.tensor(widths)[:, None]
+    ids, targets = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :widths[r]], targets[r, :widths[r]] = torch.tensor(row[:-1]), torch.tensor(row[1:])
+    pack, row_positions = pack_rows(widths, sum(widths) + 5, len(rows) + 2, width + 3)
+    row_positions = row_positions[:, :width]
+    packed_ids, packed_targets = torch.zeros(1, sum(widths) + 5, dtype=torch.long), torch.zeros(1, sum(widths) + 5,
+                                                                                                dtype=torch.long)
+    packed_ids[0, row_positions[mask]], packed_targets[0, row_positions[mask]] = ids[mask], targets[mask]
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for logprobs in (lambda: model.token_logprobs(ids, targets),
+                     lambda: model.token_logprobs(packed_ids, packed_targets, pack=pack).flatten()[row_positions]):
+        out = logprobs() * mask
+        results.append((out.detach(), torch.autograd.grad((out * weights).sum(), params)))
+    return results
+
+
+@pytest.mark.parametrize("name", GENERATIONS)
+def test_packed_rows_give_the_unpacked_log_probs_and_gradients(name):
+    # nanochat's own checkpoints: GQA (4 heads, 2 KV heads); rows longer than the short window (128 of 256) where a
+    # generation has one, so it acts; smear and backout in the newest
+    checkpoint_dir, _, _ = fixture(name)
+    model, _ = load_fixture(name, checkpoint_dir)
+    rows = random_tokens(201, 8, 151, 133, 41, seed=3)
+    weights = torch.randn(len(rows), 200, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    exact = copy.deepcopy(model).double()
+    (unpacked, unpacked_grads), (packed, packed_grads) = packed_and_unpacked(exact, rows, weights)
+    assert (packed - unpacked).abs().max() <= 1e-10
+    for a, b in zip(unpacked_grads, packed_grads):
+        assert (a - b).abs().max() <= 1e-10 * max(1.0, a.abs().max().item())
+    # float32: packed is as far from the float64 numbers as the unpacked path itself is
+    (unpacked32, unpacked32_grads), (packed32, packed32_grads) = packed_and_unpacked(model, rows, weights.float())
+    own = (unpacked32.double() - unpacked).abs().max()
+    assert 0 < own < 1e-4 and (packed32.double() - unpacked).abs().max() <= 2 * own
+    def error(grads):  # the float32 gradient's distance from the float64 one, over all weights
+        return sum(((g.double() - exact_grad) ** 2).sum() for g, exact_grad in zip(grads, unpacked_grads)).sqrt()
+    assert 0 < error(unpacked32_grads) and error(packed32_grads) <= 1.5 * error(unpacked32_grads)  # ratio ~1.0

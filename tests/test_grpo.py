@@ -43,7 +43,8 @@ class GradRecorder:
         return [self.received[i:i + n] for i in range(0, len(self.received), n)]
 
 
-def sampled_batch(args, seed=0):
+def batch_inputs(args, seed=0):
+    """-> (prompts, samples, rewards) of 4 sort questions, from a small random model (seeded)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(sequence_len=64, vocab_size=TOK.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32))
     for p in model.parameters():
@@ -54,7 +55,12 @@ def sampled_batch(args, seed=0):
     samples = generate(model, TOK, prompts, args.num_samples, 6, temperature=1.0, seed=seed)
     rewards = torch.tensor([[0.0, 1.0, 0.5, 0.5, 1.0, 0.0, 0.2, 0.9]] * 4)[:, :args.num_samples]
     rewards[3] = 0.7  # an all-equal group
-    return model, grpo.make_batch(prompts, samples, rewards, args)
+    return model, prompts, samples, rewards
+
+
+def sampled_batch(args, seed=0):
+    model, *inputs = batch_inputs(args, seed)
+    return model, grpo.make_batch(*inputs, args)
 
 
 def replan(batch, args):
@@ -166,7 +172,7 @@ def test_old_logprobs_forward_only_for_minibatches_reached_after_an_optimizer_st
 def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
     # Minibatch 1's pi_old comes from its own first pass, minibatch 2's from a forward before the update: both must
     # equal the policy's log-probs before any step, in every epoch, bit for bit.
-    args = args_for("--algo", "grpo", "--kl-coef", "0", "--num-minibatches", "2", "--device-batch-size", "8")
+    args = args_for("--algo", "grpo", "--kl-coef", "0", "--num-minibatches", "2", "--tokens-per-pass", "48")
     model, batch = sampled_batch(args)
     before = grpo.frozen_logprobs(model, batch["micro_batches"], args, NO_AUTOCAST)
     received, objective = [], grpo.objective
@@ -188,16 +194,18 @@ def test_the_update_waits_for_the_device_a_fixed_few_times_per_optimizer_step_ne
     # CPU: the same count with 4 times as many micro-batches
     from bench_update import CountOps
     counts = []
-    for rows in ("2", "8"):
-        args = args_for(*flags, "--device-batch-size", rows)
+    for size in (["--no-pack", "--device-batch-size", "2"], ["--no-pack", "--device-batch-size", "8"],
+                 ["--tokens-per-pass", "20"], ["--tokens-per-pass", "80"]):
+        args = args_for(*flags, *size)
         model, batch = sampled_batch(args)
         counter = CountOps()
         with counter:
             stats, _ = grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST,
                                           GPT(model.config) if args.kl_coef else None)
         counts.append((len(batch["micro_batches"]), len(counter.syncs)))
-    (many, syncs_many), (few, syncs_few) = counts
+    (many, syncs_many), (few, syncs_few), (many_packed, syncs_many_packed), (few_packed, syncs_few_packed) = counts
     assert many == 4 * few and syncs_many == syncs_few
+    assert many_packed >= 3 * few_packed and syncs_many_packed == syncs_few_packed == syncs_few
     steps = args.ppo_epochs * args.num_minibatches
     assert syncs_few <= 2 * steps + 20, counter.syncs  # a finiteness check per step, the statistics at the end
 
@@ -1238,3 +1246,74 @@ def test_a_step_holds_its_questions_once_also_when_a_task_has_few_more_than_a_st
         stream += questions
     for epoch in range(len(stream) // n):
         assert sorted(stream[epoch * n:(epoch + 1) * n]) == list(range(n)), epoch
+
+
+@pytest.mark.parametrize("flags", [
+    ["--algo", "reinforce"],  # nanochat's aggregation
+    ["--algo", "grpo", "--num-minibatches", "2"],  # sequence, k3 in the loss, 2 epochs x 2 minibatches
+    ["--algo", "grpo", "--kl-placement", "reward", "--mask-truncated", "--num-minibatches", "2"],
+    ["--algo", "dapo", "--kl-coef", "0.04", "--kl-estimator", "k1", "--entropy-coef", "0.01"],  # token, filters
+    ["--algo", "dr_grpo", "--kl-coef", "0.04", "--kl-estimator", "k2"],  # constant
+    ["--algo", "gspo", "--rollout-correction", "tis"],  # one ratio a reply, 4 minibatches
+    ["--algo", "grpo", "--lora-rank", "4"],  # the reference: the model with its adapters off
+])
+def test_a_packed_update_takes_the_unpacked_steps(flags):
+    # float64 weights, AdamW steps: packed passes (several a minibatch) and padded rows give the same trajectory
+    results = []
+    for layout in (["--no-pack", "--device-batch-size", "5"], ["--tokens-per-pass", "40"]):
+        lora = "--lora-rank" in flags
+        args = args_for(*[f for f in flags if f not in ("--lora-rank", "4")], *layout, "--optimizer", "adamw",
+                        "--lr", "0.02")
+        model, batch = sampled_batch(args)
+        assert len(batch["micro_batches"]) >= 2 * args.num_minibatches
+        model.double()
+        if lora:
+            args.lora_rank, args.lora_alpha = 4, 8.0
+            model.add_lora(4, 8.0, seed=0)
+            for p in model.lora.parameters():
+                p.data.normal_(0, 0.1)  # adapters that already differ from the base
+            ref_model = model
+        elif args.kl_coef:
+            ref_model = copy.deepcopy(model).requires_grad_(False)
+            for p in ref_model.parameters():
+                p.data.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        else:
+            ref_model = None
+        stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST, ref_model)
+        results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}, batch["advantages"]))
+    (stats, weights, advantages), (packed_stats, packed_weights, packed_advantages) = results
+    assert (packed_advantages - advantages).abs().max() <= 1e-6  # float32 rewards, float64 KL
+    for k in ("loss", "loss_policy", "loss_kl", "kl", "entropy", "clip_frac"):
+        if stats[k] is not None:
+            assert packed_stats[k] == pytest.approx(stats[k], rel=1e-9, abs=1e-12), k
+    for k, v in weights.items():
+        assert (packed_weights[k] - v).abs().max() <= 1e-10, k
+
+
+def test_the_compiled_update_builds_its_graphs_once_for_packed_passes_of_any_length(monkeypatch):
+    # Static packed passes: every pass has the budget's tokens and the pack's fixed shapes, so the compiled forward
+    # meets one shape; batches of other reply lengths add no graph. (Counted with dynamo's own counter as backend.)
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    import model as model_module
+    counter, compile_ = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, options=None: compile_(fn, dynamic=dynamic,
+                                                                                          backend=counter))
+    model_module.compiled_hidden.cache_clear()
+    torch._dynamo.reset()
+    try:
+        args = args_for("--algo", "grpo", "--num-minibatches", "2", "--tokens-per-pass", "40")
+        graphs, widths = [], set()
+        static = (4 * args.num_samples // args.num_minibatches, 24)  # a minibatch's rows; prompt and reply, at most
+        for seed in range(3):  # other samples, other widths
+            model, *inputs = batch_inputs(args, seed)
+            model.use_compile = True
+            batch = grpo.make_batch(*inputs, args, static)
+            assert batch["widths"].max() <= 24
+            widths.add(tuple(batch["widths"].tolist()))
+            grpo.policy_update(model, [GradRecorder(model)], batch, args, NO_AUTOCAST, copy.deepcopy(model))
+            graphs.append(counter.frame_count)
+        assert len(widths) == 3 and graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs
+    finally:
+        model_module.compiled_hidden.cache_clear()
+        torch._dynamo.reset()

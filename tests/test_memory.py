@@ -83,7 +83,7 @@ def test_on_a_gpu_the_update_takes_as_many_rows_a_pass_as_the_plan_fits():
     chosen = []
     for free_gib in (2.5, 4, 6, 1000):
         args = args_for("--algo", "grpo", "--init", "scratch", "--depth", "12", "--n-embd", "768", "--n-head", "6",
-                        "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256")
+                        "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256", "--no-pack")
         args.device_batch_size = args.sample_batch_size = None  # not given, as on a GPU
         shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
         free = free_gib * 2 ** 30
@@ -100,6 +100,31 @@ def test_on_a_gpu_the_update_takes_as_many_rows_a_pass_as_the_plan_fits():
         assert rows == 1 or update_peak(rows) <= 0.9 * free
         chosen.append(rows)
     assert chosen[0] < chosen[1] < chosen[2] < chosen[3] == 256, chosen
+
+
+def test_on_a_gpu_a_packed_pass_takes_as_many_tokens_as_the_plan_fits():
+    chosen = []
+    for free_gib in (2.5, 4, 6, 1000):
+        args = args_for("--algo", "grpo", "--init", "scratch", "--depth", "12", "--n-embd", "768", "--n-head", "6",
+                        "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256")
+        args.device_batch_size = args.sample_batch_size = args.tokens_per_pass = None  # not given, as on a GPU
+        shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
+        free = free_gib * 2 ** 30
+        plan, _ = grpo.fitted_plan(shape, args, 1, 100, "bfloat16", free, gpu=True)
+        tokens = args.tokens_per_pass
+
+        def update_peak(n):  # what stays and the update's phase, at n tokens a pass
+            at = grpo.memory_plan(shape, grpo.SimpleNamespace(**dict(vars(args), tokens_per_pass=n)), 1, 100,
+                                  "bfloat16", plan["optimizer state per rank"])
+            return grpo.phase_bytes(at) + grpo.phase_bytes(at, "update")
+
+        longest_row, step_tokens = 100 + 256 - 1, 256 * (100 + 256 - 1)
+        assert grpo.phase_bytes(plan, "update") == update_peak(tokens) - grpo.phase_bytes(plan)
+        assert tokens % 128 == 0 or tokens == longest_row
+        assert tokens >= step_tokens - 128 or update_peak(tokens + 128) > 0.9 * free  # as many as fit, or the step
+        assert tokens == longest_row or update_peak(tokens) <= 0.9 * free
+        chosen.append(tokens)
+    assert chosen[0] < chosen[1] < chosen[2] < chosen[3], chosen
 
 
 def test_a_plan_that_cannot_fit_stops_before_the_checkpoint_is_read(tmp_path, monkeypatch):
