@@ -206,8 +206,9 @@ arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack ea
     "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest")
 arg("--tokens-per-pass", type=count, default=None, help="--pack: tokens a forward/backward pass, rows packed into it "
     "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)")
-arg("--device-batch-size", type=count, default=None, help="--no-pack: rows per forward/backward pass: memory, not the "
-    "result (default: on a GPU as many as its free memory holds beside the rest, else 8)")
+arg("--device-batch-size", type=count, default=None, help="rows per forward/backward pass, question by question: "
+    "memory, not the result (--pack: only when given, else passes are filled by tokens; --no-pack default: on a GPU "
+    "as many as its free memory holds beside the rest, else 8)")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
     help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
@@ -258,7 +259,7 @@ algorithm.description = "--algo sets, where not given (the others: reinforce's v
 # with raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
 DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01}  # batch: / the step's std
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
-            max_new_tokens=8, eval_max_new_tokens=8, top_k=0, device_batch_size=256, algo="grpo", optimizer="muon",
+            max_new_tokens=8, eval_max_new_tokens=8, top_k=0, algo="grpo", optimizer="muon",
             init_lr_frac=0.25, entropy_coef=None, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0,
             save_every=250, device="cpu")
 
@@ -533,10 +534,13 @@ def plan_micro_batches(batch, args, static=None):
     Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
     block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
     same steps. With --pack (pack_micro_batch) a minibatch's rows go first-fit, longest first, into passes of at
-    most --tokens-per-pass tokens: real tokens only. With --no-pack each question's replies go longest first, and
-    runs of --device-batch-size rows make the passes, each cut to its own longest row. Each micro-batch carries the
-    positions its log-probs are needed at (flat indices: the loss's, and with the KL in the reward every sampled
-    token's), so that the forward passes never ask the device which they are (a host sync per pass)."""
+    most --tokens-per-pass tokens: real tokens only, tightly filled, but which rows share a pass depends on the
+    rank's share (other ranks: the same steps up to float rounding). With --device-batch-size (and always with
+    --no-pack) each question's replies go longest first, and runs of that many rows make the passes, packed or each
+    cut to its own longest row: when it divides a rank's rows, the same passes on any number of ranks. Each
+    micro-batch carries the positions its log-probs are needed at (flat indices: the loss's, and with the KL in the
+    reward every sampled token's), so that the forward passes never ask the device which they are (a host sync per
+    pass)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -547,10 +551,10 @@ def plan_micro_batches(batch, args, static=None):
         rows = [r for r in range(N) if row_minibatch[r] == j]
         mask = batch["loss_mask"][rows]
         counts.append([float(aggregation_count(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
-        if args.pack:
+        if args.pack and args.device_batch_size is None:
             passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # question by question, longest first
+        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
+            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
         for chunk in passes:
             width = max(widths[r] for r in chunk)
@@ -790,9 +794,10 @@ def out_of_memory(args, world_size, trace):
     if phase in ("frozen_logprobs", "policy_update"):
         what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
         if args.pack:
-            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
-                    "lower --tokens-per-pass (the result is the same, in more passes; at least the longest prompt "
-                    "and reply)")
+            rows = f", at most --device-batch-size {args.device_batch_size} rows" if args.device_batch_size else ""
+            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass{rows}",
+                    "lower --tokens-per-pass (at least the longest prompt and reply) or --device-batch-size (rows a "
+                    "pass): the result is the same, in more passes")
         return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
                 f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
                 "result is the same, in more passes) or --max-new-tokens")
@@ -859,9 +864,11 @@ def resolve_config(argv=None):
     if args.shard_optimizer is None:
         args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-        # on a GPU the memory plan fits them (fitted_plan)
-        args.device_batch_size = 8 if args.device_batch_size is None else args.device_batch_size
-        args.tokens_per_pass = 4096 if args.tokens_per_pass is None else args.tokens_per_pass
+        # on a GPU the memory plan fits them (fitted_plan); packed passes have rows a pass only when asked
+        if args.pack and args.tokens_per_pass is None:
+            args.tokens_per_pass = 4096
+        if not args.pack and args.device_batch_size is None:
+            args.device_batch_size = 8
     if args.run_name is None:
         args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
     check_config(args)
@@ -1061,10 +1068,11 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
     room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
     rows = args.prompts_per_step // world_size * args.num_samples
-    if args.device_batch_size is None:
+    if args.device_batch_size is None and not args.pack:
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
-    if args.tokens_per_pass is None:  # the most that fit, a multiple of 128 (the kernels' tiles), at most the step
+    if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
+        # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
         fits = [t for t in range(128, rows * longest_row + 128, 128)
                 if pass_activations(model.config, t, compute_bytes) <= room]

@@ -15,10 +15,11 @@ For each shape (random weights, nanochat's newest GPT generation by default):
     same, not compiled; static: the same shapes, eager; dynamic: finished rows leave, the CPU's default), and one
     call per prompt; the prefill's time; the decode step's time next to its memory-bandwidth bound (bytes of bf16
     weights + KV cache read per step / the bandwidth of a device-to-device copy measured here);
-(b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile), at --device-batch-size rows a
-    pass and at the rows grpo.py's memory plan fits on this GPU: its split (sample / old + reference log-probs /
-    update), the update's model FLOP utilisation (6 x matmul parameters + attention per token of the micro-batches
-    as cut, recomputation not counted), peak memory next to the plan's; the compile's seconds apart (an update run
+(b) one training step of `reinforce` and of `grpo`, eager and compiled (--compile), in padded rows (--no-pack) at
+    --device-batch-size rows a pass and at the rows grpo.py's memory plan fits on this GPU, and packed (grpo.py's
+    default) at the tokens a pass the plan fits (--tokens-per-pass; compiled: the static shape): its split (sample /
+    old + reference log-probs / update), the update's model FLOP utilisation (6 x matmul parameters + attention per
+    real token, padding and recomputation not counted), peak memory next to the plan's; the compile's seconds apart (an update run
     before the timed one); with --profile the 15 CUDA kernels that take most of the timed update's time.
 The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random.
 Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
@@ -51,6 +52,7 @@ parser.add_argument("--samples", type=int, default=16)
 parser.add_argument("--prompt-len", type=int, default=128)
 parser.add_argument("--new-tokens", type=int, default=256)
 parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward/backward in the update (grpo.py's default)")
+parser.add_argument("--tokens-per-pass", type=int, default=None, help="packed passes' tokens (default: the plan's fit)")
 parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known GPUs by name)")
 parser.add_argument("--smoke", action="store_true", help="tiny shape and batch on any device: checks that the script runs")
 parser.add_argument("--device", default="cuda")
@@ -123,31 +125,41 @@ def decode_bound(model, rows, bandwidth):
 
 
 def update_flops(model, batch, passes):
-    """Model FLOPs of the update: forward + backward = 6 per matmul parameter per token, plus attention. The head
-    counts only at the positions in the loss, the only ones where the update runs it."""
+    """Model FLOPs of the update's real tokens (padding not counted: a padded pass's extra work is waste):
+    forward + backward = 6 per matmul parameter per token, plus attention over the token's own row. The head counts
+    only at the positions in the loss, the only ones where the update runs it."""
     c = model.config
     block_params = sum(p.numel() for p in model.transformer.h.parameters())
+    widths = batch["widths"].tolist()
     flops = 0
-    for mb in batch["micro_batches"]:  # each cut to its own longest row
-        B, T = mb["input_ids"].shape
-        attention = 12 * c.n_layer * c.n_embd * T  # QK^T and AV, forward and backward, full as nanochat counts
-        flops += B * T * (6 * block_params + attention) + mb["positions"].numel() * 6 * model.lm_head.weight.numel()
+    for mb in batch["micro_batches"]:
+        for row in mb["rows"].tolist():  # QK^T and AV, forward and backward, over the whole row as nanochat counts
+            flops += widths[row] * (6 * block_params + 12 * c.n_layer * c.n_embd * widths[row])
+        flops += mb["positions"].numel() * 6 * model.lm_head.weight.numel()
     return passes * flops
 
 
-def fitted_rows(model, algo):
-    """The rows a pass that grpo.py's memory plan fits on this device (its --device-batch-size default on a GPU)."""
+def fitted_sizes(model, algo):
+    """The rows a padded pass and the tokens a packed pass that grpo.py's memory plan fits on this device (its
+    --device-batch-size and --tokens-per-pass defaults on a GPU)."""
     plan_args = grpo.resolve_config(["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples",
                                      str(args.samples), "--max-new-tokens", str(args.new_tokens)])
-    plan_args.device_batch_size = None
     free = torch.cuda.mem_get_info(device)[0] if cuda else 2 ** 30
-    grpo.fitted_plan(copy.deepcopy(model).to("meta"), plan_args, 1, args.prompt_len, "bfloat16", free, gpu=True)
-    return plan_args.device_batch_size
+    sizes = []
+    for pack in (False, True):
+        plan_args.device_batch_size = plan_args.tokens_per_pass = None
+        plan_args.pack = pack
+        grpo.fitted_plan(copy.deepcopy(model).to("meta"), plan_args, 1, args.prompt_len, "bfloat16", free, gpu=True)
+        sizes.append(plan_args.tokens_per_pass if pack else plan_args.device_batch_size)
+    return sizes
 
 
-def training_step(model, prompts, algo, compiled, device_batch_size):
+def training_step(model, prompts, algo, compiled, layout):
+    """layout: ("rows", n): padded rows, n a pass (--no-pack); ("tokens", n): packed passes of n tokens."""
+    kind, size = layout
     flags = ["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples),
-             "--max-new-tokens", str(args.new_tokens), "--device-batch-size", str(device_batch_size)]
+             "--max-new-tokens", str(args.new_tokens)] + (
+        ["--no-pack", "--device-batch-size", str(size)] if kind == "rows" else ["--tokens-per-pass", str(size)])
     step_args = grpo.resolve_config(flags)
     policy = copy.deepcopy(model)
     policy.use_compile = compiled  # as grpo.py's --compile, before the reference copy
@@ -159,7 +171,9 @@ def training_step(model, prompts, algo, compiled, device_batch_size):
         rollouts(policy, prompts[:2])  # the decode step compiles here, not in the timed sampling
     samples, time_sample = timed(lambda: rollouts(policy, prompts))
     rewards = torch.rand(args.prompts, args.samples, generator=torch.Generator().manual_seed(0))
-    batch = grpo.to_device(grpo.make_batch(prompts, samples, rewards, step_args), device)
+    rows = args.prompts * args.samples // step_args.num_minibatches  # as grpo.py's start_run: one shape a run
+    static = (rows, args.prompt_len + args.new_tokens - 1) if compiled and kind == "tokens" else None
+    batch = grpo.to_device(grpo.make_batch(prompts, samples, rewards, step_args, static), device)
     update = lambda: grpo.policy_update(policy, optimizers, batch, step_args, autocast, ref_model)  # noqa: E731
     if compiled:
         _, compile_seconds = timed(update)
@@ -172,8 +186,8 @@ def training_step(model, prompts, algo, compiled, device_batch_size):
     passes = step_args.ppo_epochs * step_args.num_minibatches
     mfu = update_flops(policy, batch, passes) / time_update / (peak_tflops * 1e12) if peak_tflops else None
     peak_memory = f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.1f} GiB" if cuda else "-"
-    label = f"{algo} {'compiled' if compiled else 'eager'} x{device_batch_size}"
-    print(f"  step {label:18s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
+    label = f"{algo} {'compiled' if compiled else 'eager'} {'x' if kind == 'rows' else 'packed '}{size}"
+    print(f"  step {label:28s}: sample {time_sample:6.2f} s | old+ref log-probs {time_logprobs:6.2f} s | update "
           f"{time_update:6.2f} s ({passes} pass{'es' if passes > 1 else ''}, {len(batch['micro_batches'])} micro-batches) | "
           f"update MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'} | peak memory {peak_memory}")
     # what grpo.py's memory plan predicts for this step (its reference here a float32 copy); the measured peak also
@@ -205,8 +219,10 @@ for shape in args.shapes.split(","):
             if args.part != "all" and compiled != (args.part == "compiled"):
                 continue
             for algo in ("reinforce", "grpo"):
-                for rows in dict.fromkeys([args.device_batch_size, fitted_rows(model, algo)]):
-                    training_step(model, prompts, algo, compiled, rows)
+                rows, tokens = fitted_sizes(model, algo)
+                for layout in dict.fromkeys([("rows", args.device_batch_size), ("rows", rows),
+                                             ("tokens", args.tokens_per_pass or tokens)]):
+                    training_step(model, prompts, algo, compiled, layout)
     if args.part not in ("all", "rollouts"):
         continue
     new_tokens = args.prompts * args.samples * args.new_tokens

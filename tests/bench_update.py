@@ -3,8 +3,10 @@ The update on the CPU, measured by what decides its speed on a GPU: operations a
 (counted with a TorchDispatchMode: every aten op, and those that make the host wait for the device), FLOPs per
 real token against a batch of equally long rows (torch.utils.flop_counter), and seconds per update.
 
-    python tests/bench_update.py                    # grpo (2 epochs, KL), 8 x 16 replies, GSM8K-like lengths
+    python tests/bench_update.py                    # grpo (2 epochs, KL), 8 x 16 replies, GSM8K-like lengths:
+                                                    # padded rows (8 a pass) and packed (1,536 tokens a pass)
     python tests/bench_update.py --algo reinforce
+    python tests/bench_update.py --d20              # FLOPs per real token at d20's shape, counted (nothing runs)
 
 The batch: prompts of 40-110 tokens, replies of a log-normal length (median 100 tokens, a long tail cut at
 --max-new-tokens), as GSM8K's; random tokens on a small model (the counts per micro-batch and the FLOPs ratio do
@@ -72,12 +74,13 @@ def real_tokens(prompts, samples, G):
     return sum(len(prompts[row // G]) + int(n) - 1 for row, n in enumerate(samples["lengths"]))
 
 
-def measure(args, model, ref_model, prompts, samples, rewards, device_batch_size):
-    """-> (ops, syncs, micro-batches, optimizer steps, FLOPs, seconds) of one update."""
-    args.device_batch_size = device_batch_size
+def measure(args, model, ref_model, prompts, samples, rewards, size, pack):
+    """-> (ops, syncs, micro-batches, loss, FLOPs, seconds) of one update: padded rows, size a pass
+    (--device-batch-size), or with pack=True packed passes of size tokens (--tokens-per-pass)."""
+    args.pack = pack
+    args.device_batch_size = args.tokens_per_pass = size
     batch = grpo.make_batch(prompts, samples, rewards, args)
-    micro_batches = len(batch["micro_batches"]) if "micro_batches" in batch else -(-len(rewards.flatten()) // (
-        device_batch_size * args.num_minibatches)) * args.num_minibatches
+    micro_batches = len(batch["micro_batches"])
     optimizers = grpo.make_optimizers(model, args)
     counter, flops = CountOps(), FlopCounterMode(display=False)
     with counter, flops:
@@ -88,6 +91,37 @@ def measure(args, model, ref_model, prompts, samples, rewards, device_batch_size
         flops.get_total_flops(), time.time() - start
 
 
+def count_d20(args):
+    """FLOPs per real token at nanochat's d20 shape (newest generation, 16 x 16 GSM8K-like replies, forward and
+    backward of every pass, counted on the meta device: nothing runs), padded rows and packed passes, against
+    padded rows of equal lengths. The packed count is of the exact fallback's attention (each row's padded block);
+    on CUDA flash attention computes each row's own triangle, a little less."""
+    enabled = torch.is_autocast_enabled  # the meta device has no autocast: say it is off there
+    torch.is_autocast_enabled = lambda device=None: False if device == "meta" else enabled(device)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280),
+                    "smear-backout")
+    args.prompts_per_step, args.num_samples, args.max_new_tokens = 16, 16, 256
+
+    def flops_per_token(prompts, samples, pack, size):
+        args.pack, args.device_batch_size = pack, size
+        args.tokens_per_pass = size
+        batch = grpo.to_device(grpo.make_batch(prompts, samples, torch.rand(16, 16).round(), args), "meta")
+        counter = FlopCounterMode(display=False)
+        with counter:
+            for mb in batch["micro_batches"]:
+                logprobs, entropy = grpo.logprobs_of(model, mb, args, with_entropy=True)
+                (logprobs.sum() + entropy.sum()).backward()
+        return counter.get_total_flops() / real_tokens(prompts, samples, 16)
+
+    equal = flops_per_token(*gsm8k_like_samples(16, 16, 256, 65536, equal=True), False, 8)
+    prompts, samples = gsm8k_like_samples(16, 16, 256, 65536)
+    print("d20 (newest generation), 16 x 16 GSM8K-like replies, FLOPs per real token / padded rows of equal length:")
+    for pack, size in ((False, 8), (False, 16), (False, 32), (True, 8192), (True, 16384), (True, 32768)):
+        print(f"  {'packed, --tokens-per-pass' if pack else 'padded rows, --device-batch-size'} {size}: "
+              f"{flops_per_token(prompts, samples, pack, size) / equal:.3f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algo", default="grpo")
@@ -95,14 +129,18 @@ def main():
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--device-batch-size", type=int, default=8)
+    parser.add_argument("--tokens-per-pass", type=int, default=1536, help="packed passes (about 8 rows of 190)")
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--d20", action="store_true", help="count FLOPs per real token at d20's shape instead")
     bench = parser.parse_args()
     torch.manual_seed(0)
     args = grpo.resolve_config(["--algo", bench.algo, "--init", "scratch", "--device", "cpu", "--prompts-per-step",
                                 str(bench.prompts), "--num-samples", str(bench.samples), "--max-new-tokens",
                                 str(bench.max_new_tokens), "--device-batch-size", str(bench.device_batch_size)])
+    if bench.d20:
+        return count_d20(args)
     config = GPTConfig(sequence_len=1024, vocab_size=bench.vocab, n_layer=bench.depth, n_head=2, n_kv_head=2,
                        n_embd=bench.width)
     model = GPT(config).init_weights(0)
@@ -112,22 +150,26 @@ def main():
           f"model {bench.depth} layers x {bench.width}, vocab {bench.vocab}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     per_token = {}
+    layouts = (("padded rows", False, bench.device_batch_size, "--device-batch-size"),
+               ("packed", True, bench.tokens_per_pass, "--tokens-per-pass"))
     for name, equal in (("GSM8K-like lengths", False), ("equal lengths", True)):
         prompts, samples = gsm8k_like_samples(bench.prompts, bench.samples, bench.max_new_tokens, bench.vocab,
                                               equal=equal)
         tokens = real_tokens(prompts, samples, bench.samples)
-        rows = [measure(args, model, ref_model, prompts, samples, rewards, size)
-                for size in (bench.device_batch_size, 2 * bench.device_batch_size)]
-        (ops, syncs, mbs, _, flops, seconds), (ops2, syncs2, mbs2, _, _, _) = rows
-        per_token[name] = flops / tokens
-        print(f"  {name}: {tokens} real tokens; --device-batch-size {bench.device_batch_size}: {mbs} micro-batch "
-              f"passes a epoch, {ops} ops, {len(syncs)} syncs ({', '.join(sorted(set(syncs))) or 'none'}), "
-              f"{flops / 1e9:.1f} GFLOP = {flops / tokens / 1e6:.2f} MFLOP per real token, {seconds:.2f} s")
-        print(f"    per micro-batch (x{bench.device_batch_size} rows vs x{2 * bench.device_batch_size}): "
-              f"{(ops - ops2) / (mbs - mbs2) / args.ppo_epochs:.0f} ops a pass and epoch, "
-              f"{(len(syncs) - len(syncs2)) / (mbs - mbs2):.2f} syncs per micro-batch (all its passes)")
-    ratio = per_token["GSM8K-like lengths"] / per_token["equal lengths"]
-    print(f"  FLOPs per real token, GSM8K-like / equal lengths: {ratio:.3f}x")
+        print(f"  {name}: {tokens} real tokens")
+        for layout, pack, size, flag in layouts:
+            rows = [measure(args, model, ref_model, prompts, samples, rewards, n, pack) for n in (size, 2 * size)]
+            (ops, syncs, mbs, _, flops, seconds), (ops2, syncs2, mbs2, _, _, _) = rows
+            per_token[name, layout] = flops / tokens
+            print(f"    {layout}, {flag} {size}: {mbs} micro-batch passes a epoch, {ops} ops, {len(syncs)} syncs "
+                  f"({', '.join(sorted(set(syncs))) or 'none'}), {flops / 1e9:.1f} GFLOP = "
+                  f"{flops / tokens / 1e6:.2f} MFLOP per real token, {seconds:.2f} s an update")
+            print(f"      per micro-batch ({flag} {size} vs {2 * size}): "
+                  f"{(ops - ops2) / (mbs - mbs2) / args.ppo_epochs:.0f} ops a pass and epoch, "
+                  f"{(len(syncs) - len(syncs2)) / (mbs - mbs2):.2f} syncs per micro-batch (all its passes)")
+    for layout, *_ in layouts:
+        ratio = per_token["GSM8K-like lengths", layout] / per_token["equal lengths", "padded rows"]
+        print(f"  FLOPs per real token, {layout} at GSM8K-like lengths / padded rows of equal lengths: {ratio:.3f}x")
 
 
 if __name__ == "__main__":

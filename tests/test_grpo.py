@@ -770,9 +770,10 @@ def test_a_run_stopped_out_of_memory_resumes_with_the_smaller_chunks_its_stop_li
     capsys.readouterr()
     grpo.main(flags + ["--resume", "--device-batch-size", "3", "--sample-batch-size", "8"])
     out = capsys.readouterr().out
-    assert "resumed from step 1" in out and "device_batch_size 256 -> 3" in out and "sample_batch_size None -> 8" in out
+    # packed passes by tokens, the demo's default: no rows a pass until asked for
+    assert "resumed from step 1" in out and "device_batch_size None -> 3" in out and "sample_batch_size None -> 8" in out
     resumed_with = json.load(open(tmp_path / "oom" / "config.json"))["resumed_with"]
-    assert resumed_with == [{"step": 1, "device_batch_size": [256, 3], "sample_batch_size": [None, 8]}]
+    assert resumed_with == [{"step": 1, "device_batch_size": [None, 3], "sample_batch_size": [None, 8]}]
 
 
 def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
