@@ -416,7 +416,7 @@ def test_grpo_trains_the_newest_fixture_on_gsm8k_and_writes_it_back(tmp_path, gs
     assert load_checkpoint(str(out))[0].generation_name == "smear-backout"
 
 
-def packed_and_unpacked(model, rows, weights):
+def packed_and_unpacked(model, rows, weights, device="cpu"):
     """Log-probs [R, width] and the gradient of sum(weights x log-probs) of these token rows, each right-padded in a
     batch, and packed into one sequence (with padding at its tail and in the pack's shapes, as a static pass has)."""
     from model import pack_rows
@@ -431,6 +431,9 @@ def packed_and_unpacked(model, rows, weights):
     packed_ids, packed_targets = torch.zeros(1, sum(widths) + 5, dtype=torch.long), torch.zeros(1, sum(widths) + 5,
                                                                                                 dtype=torch.long)
     packed_ids[0, row_positions[mask]], packed_targets[0, row_positions[mask]] = ids[mask], targets[mask]
+    pack = {k: v.to(device) if torch.is_tensor(v) else v for k, v in pack.items()}
+    ids, targets, packed_ids, packed_targets, row_positions, mask = (t.to(device) for t in (
+        ids, targets, packed_ids, packed_targets, row_positions, mask))
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for logprobs in (lambda: model.token_logprobs(ids, targets),
@@ -460,3 +463,23 @@ def test_packed_rows_give_the_unpacked_log_probs_and_gradients(name):
     def error(grads):  # the float32 gradient's distance from the float64 one, over all weights
         return sum(((g.double() - exact_grad) ** 2).sum() for g, exact_grad in zip(grads, unpacked_grads)).sqrt()
     assert 0 < error(unpacked32_grads) and error(packed32_grads) <= 1.5 * error(unpacked32_grads)  # ratio ~1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("generation", ["classic", "lambdas-windows", "smear-backout"])
+def test_on_cuda_flash_attention_over_packed_rows_gives_the_padded_rows_numbers(generation):
+    # Under bf16 autocast packed rows go through varlen_attn: within bf16 rounding of the padded rows' SDPA, for
+    # log-probs and gradients, with the windows acting (rows of up to 200 tokens, sequence_len 64)
+    model = random_model(generation, sequence_len=64).cuda()
+    rows = random_tokens(201, 9, 151, 133, 41, seed=3)
+    weights = torch.randn(len(rows), 200, generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (padded, padded_grads), (packed, packed_grads) = packed_and_unpacked(model, rows, weights, device="cuda")
+    exact = copy.deepcopy(model).double()
+    (reference, reference_grads), _ = packed_and_unpacked(exact, rows, weights.double(), device="cuda")
+    own = (padded.double() - reference).abs().max()
+    assert 0 < own and (packed.double() - reference).abs().max() <= 2 * own
+
+    def error(grads):
+        return sum(((g.double() - r) ** 2).sum() for g, r in zip(grads, reference_grads)).sqrt()
+    assert error(packed_grads) <= 2 * error(padded_grads)

@@ -1318,3 +1318,11 @@ def test_the_compiled_update_builds_its_graphs_once_for_packed_passes_of_any_len
     finally:
         model_module.compiled_hidden.cache_clear()
         torch._dynamo.reset()
+
+
+def test_a_pass_shorter_than_the_longest_row_is_refused_at_start(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(run_flags(tmp_path, "short", "--tokens-per-pass", "12"))
+    message = str(stop.value.code)
+    assert message.startswith("error: --tokens-per-pass 12 is less than the longest row") and "\n" not in message
+    assert "--max-new-tokens" in message and not (tmp_path / "short" / "metrics.jsonl").exists()
