@@ -49,10 +49,8 @@ import torch.distributed as dist
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
                    load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows,
                    save_checkpoint, stop_signal, writing)
-from tasks.gsm8k import GSM8K
-from tasks.sort import Sort
-
-TASKS = {"gsm8k": GSM8K, "sort": Sort}
+from tasks import build, code_fingerprint, task_class, task_name
+from tasks.jsonl import GRADERS
 
 # -----------------------------------------------------------------------------
 # Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
@@ -168,7 +166,15 @@ arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alp
 arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)")
 arg = parser.add_argument_group("task, model and checkpoints").add_argument
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer model from scratch, full GRPO")
-arg("--task", default="gsm8k", choices=list(TASKS), help="what to train on")
+arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl file of problems, or your own task "
+    "class as module:Class or path/to/file.py:Class (docs/tasks.md)")
+arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)")
+arg("--grader", default="number", choices=GRADERS, help="--task FILE.jsonl: how a reply is graded, where a line "
+    "names no grader: the number after ####, else the last; the whole reply; the letter of a choice")
+arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
+    help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K")
+arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
+    "every eval, logged as eval_<name>_<metric> (repeatable; any --task value)")
 arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
 arg("--sort-length", type=count, default=5, help="digits per sort problem")
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', or a checkpoint folder")
@@ -855,10 +861,17 @@ def resolve_config(argv=None):
         args.pass_size = 8  # nanochat's RL script's default device batch size
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
-    if args.num_steps is None:
-        args.num_steps = TASKS[args.task].default_num_steps(args.prompts_per_step)
+    try:  # a task file or module that is not there, or not a task: one line, before any work
+        task = task_class(args.task)
+        for spec in args.eval_task or []:
+            task_class(spec)
+        if args.num_steps is None:
+            args.num_steps = task.default_num_steps(args)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    args.eval_task = args.eval_task or []
     if args.reward_weights is None:
-        args.reward_weights = {TASKS[args.task].reward_terms[0]: 1.0}
+        args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
     if args.shard_optimizer is None:
@@ -895,11 +908,16 @@ def check_config(args):
          "once per token, weighting replies by their length; use --aggregation sequence (GSPO's)"),
         (args.pass_size is not None and args.aggregation != "nanochat",
          f"--pass-size sets the passes of --aggregation nanochat; --aggregation {args.aggregation} has none"),
-        (not set(args.reward_weights) <= set(TASKS[args.task].reward_terms) or not all(
+        (not set(args.reward_weights) <= set(task_class(args.task).reward_terms) or not all(
             map(math.isfinite, args.reward_weights.values())), f"--reward-weights: the {args.task} task's terms are "
-         f"{', '.join(TASKS[args.task].reward_terms)}, each with a finite weight (got {args.reward_weights})"),
+         f"{', '.join(task_class(args.task).reward_terms)}, each with a finite weight (got {args.reward_weights})"),
+        (args.task_test is not None and not args.task.endswith(".jsonl"),
+         "--task-test names the test file of a --task FILE.jsonl"),
+        (len({task_name(spec) for spec in args.eval_task}) < len(args.eval_task) or task_name(args.task) in map(
+            task_name, args.eval_task), "--eval-task: each watched task needs a name of its own (a file's stem, a "
+         "class's name), other than the trained task's"),
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
-        (args.warmup_steps >= args.num_steps,
+        (args.num_steps is not None and args.warmup_steps >= args.num_steps,
          f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
         (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
         (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
@@ -1171,9 +1189,15 @@ def start_run(args, run_dir, rank, writes):
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
 
     try:
-        train_task, test_task = (TASKS[args.task].from_flags(split, args) for split in ("train", "test"))
+        train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
+        watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+    if args.num_steps is None:  # the task's default needed its data: one epoch
+        args.num_steps = config["num_steps"] = max(1, len(train_task) // args.prompts_per_step)
+        if args.warmup_steps >= args.num_steps:
+            parser.error(f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (one epoch of "
+                         f"{args.task}: {args.num_steps} steps)")
     if args.prompts_per_step > len(train_task):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
@@ -1216,8 +1240,17 @@ def start_run(args, run_dir, rank, writes):
                 p.data = p.data.cpu().pin_memory()
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
+    config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
+    for spec in [args.task] + args.eval_task:  # a Python task's code, recorded and checked like the data
+        code = code_fingerprint(spec)
+        if code:
+            config.setdefault("task_code", {})[spec] = code
+            config["inputs"][f"code:{spec}"] = code["sha256"]
+    for name, task in watched.items():
+        config["inputs"][f"watched:{name}"] = task.fingerprint()
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
-                          train_task=train_task, test_task=test_task, model=model, tokenizer=tokenizer,
+                          train_task=train_task, test_task=test_task, watched=watched, model=model,
+                          tokenizer=tokenizer,
                           ref_model=ref_model, optimizers=optimizers, owners=owners, config=config,
                           static_pack=static_pack,
                           run_dir=run_dir, tag=tag,
@@ -1671,7 +1704,7 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 # evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
 # the training RNG).
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
-                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout")
+                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
@@ -1679,7 +1712,8 @@ STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile", "pack",
           "tokens_per_pass")
 # Flags added since runs began to be resumed, with what a run from before them did
-SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None}
+SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
+         "task_test": None, "grader": "number", "calculator": False}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -1693,8 +1727,9 @@ SEMANTICS = {
                            "a step that straddles two epochs takes each question once"),
 }
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
-INPUTS = {"train": "train data (--gsm8k-dir)", "test": "test data (--gsm8k-dir)",
-          "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)"}
+INPUTS = {"train": "train data (--task, --gsm8k-dir)", "test": "test data (--task-test, --gsm8k-dir)",
+          "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)", "code": "task code", "watched": "data of "
+          "the watched task"}
 
 
 def resume(args, run):
@@ -1719,11 +1754,13 @@ def resume(args, run):
     for k, v in SINCE.items():  # flags newer than the run: it ran as their value then
         run_config.setdefault(k, v)
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
-        if digest != config["inputs"].get(name):
-            sys.exit(f"error: --resume: the run's {INPUTS[name]} changed since it started (sha256 {str(digest)[:12]} "
+        if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
+            sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]]}{name.partition(':')[2] and ' '}"
+                     f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
                      f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
-    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics")
+    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics",
+                                                                             "scores", "task_code")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
     refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
     if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
@@ -1933,6 +1970,10 @@ def run_eval(args, run, step, num_examples):
     run.model.eval()
     result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
                                run.world_size, run.autocast)
+    for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
+        watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
+                              run.autocast)
+        result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
     if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
         gathered = [None] * run.world_size if run.master else None
         dist.gather_object(replies, gathered, dst=0)
@@ -2204,8 +2245,16 @@ COMPARE_HEADER = ["run", "algo", "advantage", "seeds", "steps", "reward(last10)"
                   "best eval", "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
 
 
-def eval_score_key(config):
-    return f"eval_{TASKS[config['task']].score}"
+def eval_score_key(config, watched=""):
+    """The metric that ranks runs: of the trained task, or of a watched one (--eval-task) by its name."""
+    scores = config.get("scores") or {"": {"gsm8k": "strict"}.get(config["task"], "reward")}  # runs from before
+    return f"eval_{watched + '_' if watched else ''}{scores[watched]}"
+
+
+def watched_tasks(configurations):
+    """The names of the tasks any of these runs watched (--eval-task), in order of appearance."""
+    return list(dict.fromkeys(name for seeds in configurations for _, config, _ in seeds
+                              for name in config.get("scores", {}) if name))
 
 
 def compare_runs(run_dirs, plot_path):
@@ -2218,7 +2267,7 @@ def compare_runs(run_dirs, plot_path):
             with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
             metrics = read_step_log(os.path.join(run_dir, "metrics.jsonl"))
-            if not isinstance(config, dict) or not {"task", "algo"} <= set(config) or config["task"] not in TASKS:
+            if not isinstance(config, dict) or not {"task", "algo"} <= set(config):
                 raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
@@ -2235,16 +2284,18 @@ def compare_runs(run_dirs, plot_path):
     clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, configurations.values())]
-    table = [COMPARE_HEADER]
+    watched = watched_tasks(configurations.values())
+    table = [COMPARE_HEADER + watched]  # a watched task's column: its eval score at the end
     for name, seeds in zip(names, configurations.values()):
-        per_seed = [run_summary(config, metrics) for _, config, metrics in seeds]
+        per_seed = [run_summary(config, metrics, watched) for _, config, metrics in seeds]
         table.append([name, seeds[0][1]["algo"], seeds[0][1].get("advantage"), len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
-    widths = [max(len(fmt(row[i])) for row in table) for i in range(len(COMPARE_HEADER))]
+    widths = [max(len(fmt(row[i])) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
     print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K "
-          "accuracy; pass@k from --pass-k samples; a±b = mean ± std over the seeds")
+          "accuracy; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
+          + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))
     plot_runs(names, list(configurations.values()), plot_path)
     return table
 
@@ -2253,8 +2304,8 @@ def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
 
 
-def run_summary(config, metrics):
-    """One run's numbers, in the order of COMPARE_HEADER from "steps" on."""
+def run_summary(config, metrics, watched=()):
+    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the watched tasks' last scores."""
     train = [m for m in metrics if "reward" in m]
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
@@ -2270,7 +2321,9 @@ def run_summary(config, metrics):
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-            last("kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"), mean_of("tokens_per_s")]
+            last("kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"), mean_of("tokens_per_s")] + [
+        (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
+        if name in config.get("scores", {}) else None for name in watched]
 
 
 def across_seeds(values):
@@ -2300,25 +2353,32 @@ def plot_runs(names, configurations, plot_path):
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"),
               ("reply_len", "reply length")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    watched = watched_tasks(configurations)
     for ax, (key, title) in zip(axes.flat, panels):
-        for i, (name, seeds) in enumerate(zip(names, configurations)):
-            by_step = {}
+        for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
+                                       for task in [""] + (watched if key is None else [])):
+            by_step = {}  # task: the trained one (""), or on the eval panel a watched one, dashed
             for _, config, metrics in seeds:
-                for step, value in metric_column(metrics, key or eval_score_key(config)):
-                    by_step.setdefault(step, []).append(value)
+                if task in config.get("scores", {"": None}):
+                    for step, value in metric_column(metrics, key or eval_score_key(config, task)):
+                        by_step.setdefault(step, []).append(value)
             steps = [s for s in sorted(by_step) if len(by_step[s]) == len(seeds)]  # where every seed has a value
             if not steps:
                 continue
             values = torch.tensor([by_step[s] for s in steps], dtype=torch.float64)  # [steps, seeds]
             mean = values.mean(dim=1)
-            label = name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)"
-            ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None else None, markersize=3)
+            label = (name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)") + (
+                f": {task}" if task else "")
+            ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None else None, markersize=3,
+                    linestyle="--" if task else "-")
             if len(seeds) > 1:
                 std = values.std(dim=1)
                 ax.fill_between(steps, mean - std, mean + std, color=f"C{i}", alpha=0.2, linewidth=0)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0, 0].legend()
+    if watched:
+        axes[0, 1].legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("step")
     fig.tight_layout()

@@ -226,8 +226,8 @@ class GSM8K(Task):
         return cls(split, args.gsm8k_dir)
 
     @staticmethod
-    def default_num_steps(prompts_per_step):
-        return SPLIT_ROWS["train"] // prompts_per_step  # one epoch
+    def default_num_steps(args):
+        return SPLIT_ROWS["train"] // args.prompts_per_step  # one epoch
 
     def __len__(self):
         return len(self.rows)

@@ -22,7 +22,7 @@ class Sort(Task):
         return cls(split, args.sort_length, args.seed)
 
     @staticmethod
-    def default_num_steps(prompts_per_step):
+    def default_num_steps(args):
         return 300
 
     def __len__(self):

@@ -1,0 +1,215 @@
+"""Your own tasks: a JSONL file graded by a rule (number, exact, choice), a Python task class, tasks watched with
+--eval-task, and one line for every bad input."""
+import json
+import os
+import random
+import sys
+
+import pytest
+
+import grpo
+from tasks import task_name
+from tasks.jsonl import JSONLTask, answer_letter, grade, read_letter, read_number
+
+
+@pytest.mark.parametrize("reply,answer,correct", [
+    ("#### 1,000", "1000", True), ("3.50", "#### 3.5", True), ("-2", "2", False), ("so it is 12.", "12", True),
+    ("first 3 then 4", "4", True), ("#### 4\nor 5", "4", True),  # the #### answer wins over the last number
+    ("no number at all", "7", False), ("", "7", False), ("#### $18.00", "18", True), ("2 + 2 = 4", "#### 4", True),
+])
+def test_the_number_grader(reply, answer, correct):
+    assert grade("number", reply, answer, [])[0] is correct
+
+
+@pytest.mark.parametrize("reply,answer,correct", [
+    ("  Paris ", "paris", True), ("PARIS", "Paris", True), ("Paris.", "Paris", False), ("", "Paris", False),
+])
+def test_the_exact_grader(reply, answer, correct):
+    assert grade("exact", reply, answer, [])[0] is correct
+
+
+CHOICES = ["red", "green", "blue"]
+
+
+@pytest.mark.parametrize("reply,letter", [
+    ("B", "B"), ("(B)", "B"), ("The answer is B.", "B"), ("answer: c", "C"), ("A good guess: B", "B"), ("B.", "B"),
+    ("I think it is (C)", "C"), ("D", None), ("no idea", None), ("", None), ("the answer is D, or A", "A"),
+])
+def test_the_choice_grader_reads_the_letter_a_reply_commits_to(reply, letter):
+    assert read_letter(reply, CHOICES) == letter
+    assert grade("choice", reply, "B", CHOICES) == (letter == "B", letter is not None)
+
+
+def test_a_choice_answer_is_a_letter_or_a_choice_text():
+    assert [answer_letter(a, CHOICES) for a in ("B", "(c)", "blue", "D", "purple", "AB")] == ["B", "C", "C", None, None,
+                                                                                              None]
+    assert read_number("#### -0.50") == read_number("-.5")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def largest_of_three(n, seed=0):
+    """Multiple-choice problems: which of three numbers is largest."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        numbers = rng.sample(range(10), 3)
+        rows.append({"question": "largest?", "choices": [str(x) for x in numbers],
+                     "answer": "ABC"[numbers.index(max(numbers))]})
+    return rows
+
+
+def test_a_jsonl_file_loads_with_its_held_out_split_and_per_line_graders(tmp_path):
+    rows = [{"question": f"{i} + 1 =", "answer": f"#### {i + 1}"} for i in range(20)]
+    rows[3] = {"messages": [{"role": "user", "content": "capital of France?"}, {"role": "assistant",
+                                                                                "content": "Paris"}], "grader": "exact"}
+    path = write_jsonl(tmp_path / "sums.jsonl", rows + [""])  # a blank last line is fine
+    train, test = JSONLTask(path, "train"), JSONLTask(path, "test")
+    assert len(train) == 18 and len(test) == 2  # problems 0 and 10 held out
+    assert test[1]["messages"][0]["content"] == "10 + 1 =" and train[1]["messages"][0]["content"] == "2 + 1 ="
+    assert train.evaluate(train[1], "it is #### 3") and not train.evaluate(train[1], "Paris")
+    assert train.reward_parts(train[1], "3") == {"correct": 1.0, "format": 0.0}  # no #### line: no format
+    exact = train[2]  # line 4 names its own grader
+    assert train.evaluate(exact, " paris") and train.reward_parts(exact, "paris") == {"correct": 1.0, "format": 1.0}
+    choice = write_jsonl(tmp_path / "mc.jsonl", largest_of_three(5))
+    task = JSONLTask(choice, "train", grader="choice", test_path=choice)
+    assert len(task) == 5 and "\nA. " in task[0]["messages"][0]["content"]
+    assert task_name(path) == "sums" and task_name("my.module:Arith") == "arith" and task_name("x/y.py:Z") == "z"
+
+
+def base_flags(tmp_path, name, *extra):
+    return ["--demo", "--algo", "grpo", "--runs-dir", str(tmp_path / "runs"), "--run-name", name, "--num-steps", "3",
+            "--prompts-per-step", "8", "--num-samples", "4", "--eval-every", "3", "--eval-examples", "8",
+            "--save-every", "3", *extra]
+
+
+TASK_FILE = '''
+from tasks import Task
+from tasks.sort import Sort
+
+
+class Reverse(Task):
+    """Reverse three digits: a task of the user's own, in their own file."""
+    def __init__(self, split):
+        self.sort = Sort(split, length=3)
+
+    @classmethod
+    def from_flags(cls, split, args):
+        return cls(split)
+
+    def __len__(self):
+        return 64 if self.sort.split == "test" else 10 ** 6
+
+    def example(self, index):
+        digits = self.sort[index]["messages"][0]["content"]
+        return {"messages": [{"role": "user", "content": digits}, {"role": "assistant", "content": digits[::-1]}]}
+
+    def reward(self, conversation, reply_text):
+        return float(reply_text.strip() == conversation["messages"][1]["content"])
+
+    def evaluate(self, conversation, reply_text):
+        return self.reward(conversation, reply_text) == 1.0
+
+    def eval_metrics(self, conversation, reply_text):
+        return {"exact": self.reward(conversation, reply_text)}
+
+    @staticmethod
+    def default_num_steps(args):
+        return 100
+'''
+
+
+def test_a_jsonl_task_and_a_python_task_train_and_a_watched_task_is_logged_and_compared(tmp_path, capsys):
+    mc = write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40))
+    (tmp_path / "reverse.py").write_text(TASK_FILE)
+    grpo.main(base_flags(tmp_path, "mc", "--task", mc, "--grader", "choice", "--eval-task", "sort"))
+    grpo.main(base_flags(tmp_path, "py", "--task", str(tmp_path / "reverse.py") + ":Reverse", "--eval-task", mc,
+                         "--grader", "choice"))
+    out = capsys.readouterr().out
+    for run, watched, score in (("mc", "sort", "eval_sort_reward"), ("py", "largest", "eval_largest_correct")):
+        config = json.load(open(tmp_path / "runs" / run / "config.json"))
+        metrics = [json.loads(line) for line in open(tmp_path / "runs" / run / "metrics.jsonl")]
+        evals = [m for m in metrics if "eval_reward" in m]
+        assert [m["step"] for m in evals] == [0, 3] and all(score in m and f"eval_{watched}_examples" in m
+                                                            for m in evals)
+        assert [m["step"] for m in metrics if "reward" in m] == [1, 2, 3] and watched in config["scores"]
+    py = json.load(open(tmp_path / "runs" / "py" / "config.json"))
+    code = py["task_code"][str(tmp_path / "reverse.py") + ":Reverse"]
+    assert code["file"] == str(tmp_path / "reverse.py") and len(code["sha256"]) == 64
+    assert "eval_sort_reward" in out and "eval_largest_correct" in out  # the step log
+    table = grpo.compare_runs([str(tmp_path / "runs" / "mc"), str(tmp_path / "runs" / "py")], str(tmp_path / "c.png"))
+    assert table[0][-2:] == ["sort", "largest"] and table[1][-2] is not None and table[2][-1] is not None
+    assert table[1][-1] is None and table[2][-2] is None  # each run watched one of the two
+
+
+def test_a_resumed_run_refuses_a_changed_task_file_or_task_code(tmp_path, run_killed_after_first_save):
+    mc = write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40))
+    flags = base_flags(tmp_path, "mc", "--task", mc, "--grader", "choice", "--save-every", "1")
+    run_killed_after_first_save(flags)
+    write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40, seed=1))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--resume"])
+    assert str(stop.value.code).startswith("error: --resume: the run's train data (--task, --gsm8k-dir) changed")
+    (tmp_path / "reverse.py").write_text(TASK_FILE)
+    flags = base_flags(tmp_path, "py", "--task", str(tmp_path / "reverse.py") + ":Reverse", "--save-every", "1")
+    run_killed_after_first_save(flags)
+    (tmp_path / "reverse.py").write_text(TASK_FILE.replace("return 64", "return 65"))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--resume"])
+    assert str(stop.value.code).startswith(f"error: --resume: the run's task code {tmp_path / 'reverse.py'}:Reverse "
+                                           "changed")
+
+
+BAD_FILES = [
+    ("not-json", ['{"question": "1+1", "answer": "2"}', "{question: 1}"], "line 2 is not JSON"),
+    ("missing-field", [{"question": "1+1"}], "line 1: the field 'answer' is missing or empty"),
+    ("empty-field", [{"question": "", "answer": "2"}], "line 1: the field 'question' is missing or empty"),
+    ("empty-file", [], "holds no problem"),
+    ("no-number", [{"question": "1+1", "answer": "two"}], "line 1: the answer 'two' has no number"),
+    ("bad-letter", [{"question": "?", "choices": ["a", "b"], "answer": "C", "grader": "choice"}],
+     "line 1: the answer 'C' is not the letter of one of its 2 choices"),
+    ("no-choices", [{"question": "?", "answer": "A", "grader": "choice"}], "is not the letter of one of its 0"),
+    ("bad-grader", [{"question": "?", "answer": "1", "grader": "fuzzy"}], "grader 'fuzzy' is not one of"),
+    ("bad-messages", [{"messages": [{"role": "assistant", "content": "hi"}]}], "line 1: messages must be"),
+    ("not-an-object", ["[1, 2]"], "line 1 is not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("name,rows,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_a_bad_task_file_is_one_line_naming_the_file_and_line(name, rows, message, tmp_path):
+    path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, "--task", path))
+    text = str(stop.value.code)
+    assert text.startswith(f"error: {path}") and message in text and "\n" not in text
+    assert not os.path.exists(tmp_path / "runs" / name / "metrics.jsonl")
+
+
+def test_a_task_file_that_is_not_utf8_or_not_there(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"question": "1+1", "answer": "2"}\n{"question": "caf\xe9", "answer": "3"}\n')
+    for argv, message in ((["--task", str(path)], f"error: {path} line 2 is not UTF-8 text"),
+                          (["--task", str(tmp_path / "none.jsonl")], "error: cannot read the task file")):
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(base_flags(tmp_path, "x", *argv))
+        assert str(stop.value.code).startswith(message)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_module_here:Task", "the task module no_such_module_here could not be imported (ModuleNotFoundError"),
+    ("{dir}/missing.py:Task", "the task file {dir}/missing.py does not exist"),
+    ("{dir}/broken.py:Task", "could not be imported (SyntaxError"),
+    ("{dir}/plain.py:NotThere", "has no NotThere"),
+    ("{dir}/plain.py:Plain", "is not a task: it lacks from_flags, reward"),
+    ("sorting", "names no task"),
+])
+def test_a_python_task_that_cannot_be_used_is_one_line(spec, message, tmp_path):
+    (tmp_path / "broken.py").write_text("def (:\n")
+    (tmp_path / "plain.py").write_text("class Plain:\n    pass\n")
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "x", "--task", spec.format(dir=tmp_path)))
+    text = str(stop.value.code)
+    assert text.startswith("error: ") and message.format(dir=tmp_path) in text and "\n" not in text
