@@ -95,7 +95,7 @@ parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE o
 # the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
 arg = algorithm.add_argument
-arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo"],
+arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"],
     help="algorithm preset: sets the flags of this group that are not given")
 arg("--advantage", choices=["mean", "zscore", "rloo", "batch"],
     help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards")
@@ -108,8 +108,14 @@ arg("--pass-size", type=count, help="--aggregation nanochat: replies per pass (n
 arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
 arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
-arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps")
-arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (default: --clip-eps)")
+arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="the policy term: PPO's clipped ratio x A; CISPO's "
+    "-sg(clip(rho)) A log pi (the weight clipped, every token keeps a gradient); SAPO's smooth gate "
+    "-(4 / tau) sigmoid(tau (rho - 1)) A")
+arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0")
+arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)")
+arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps (cispo: the weight's)")
+arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (cispo: the weight's; default: "
+    "--clip-eps)")
 arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)")
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
@@ -142,6 +148,9 @@ arg("--sample-batch-size", type=count, default=None, help="replies sampled per g
     "memory only, the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
+arg("--reward-combination", default="sum", choices=["sum", "normalize-then-sum"], help="several reward terms: "
+    "their weighted sum, then the group advantages; or each term's group advantages, then their weighted sum "
+    "divided by its std over the step (GDPO)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
     "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW")
@@ -224,13 +233,15 @@ arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
-    "reinforce": dict(advantage="mean", aggregation="nanochat", ratio_level="token", ppo_epochs=1, num_minibatches=1,
-                      clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0,
-                      drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
+    "reinforce": dict(advantage="mean", aggregation="nanochat", ratio_level="token", policy_loss="clip",
+                      ppo_epochs=1, num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0,
+                      sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False,
+                      mask_truncated=False, dynamic_sampling=False),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
-    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", ppo_epochs=2, num_minibatches=1,
-                 clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", ref_reset_every=0,
-                 drop_equal_groups=False, mask_truncated=False, dynamic_sampling=False),
+    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", policy_loss="clip", ppo_epochs=2,
+                 num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+                 kl_coef=0.04, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False, mask_truncated=False,
+                 dynamic_sampling=False),
 }
 # RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
 PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
@@ -241,6 +252,12 @@ PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28,
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
+# CISPO (MiniMax-M1): the importance weight clipped and detached, token-level mean, no KL; no lower bound in effect
+# (the paper sets none), the upper one as common implementations take it (Trinity-RFT: 0.28)
+PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
+                        kl_coef=0.0)
+# SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 (the paper's), token-level mean, no KL
+PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", aggregation="token", kl_coef=0.0)
 
 
 def as_flags(settings):
@@ -284,12 +301,26 @@ def group_advantages(rewards, kind, eps=1e-4):
         return centered * (G / (G - 1))
     if kind == "batch":  # group mean, / the std of the whole step's raw rewards over all ranks (Lite PPO; TRL's
         # scale_rewards="batch"). REINFORCE++-baseline divides by the std of the centred advantages instead.
-        count, total, squares = all_reduce(torch.stack([torch.tensor(rewards.numel(), dtype=torch.float64,
-                                                                     device=rewards.device),
-                                                        rewards.double().sum(), rewards.double().square().sum()]))
-        return centered / (((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float() + eps)
+        return centered / (step_std(rewards) + eps)
     # z-score, with the unbiased std (as the common GRPO implementations)
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def term_advantages(reward_parts, weights, args, eps=1e-4):
+    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242; TRL's "normalize_then_sum"): each reward
+    term's own group advantages (--advantage), weighted and summed, then divided by the std of that sum over the
+    step's replies on all ranks, so that a term with a small spread is not drowned by one with a large spread.
+    reward_parts [P, G, K] -> [P, G]."""
+    summed = sum(w * group_advantages(reward_parts[..., k], args.advantage) for k, w in enumerate(weights))
+    return summed / (step_std(summed) + eps)
+
+
+def step_std(values):
+    """The unbiased std of these values over the step's replies on all ranks (one all-reduce)."""
+    count, total, squares = all_reduce(torch.stack([torch.tensor(values.numel(), dtype=torch.float64,
+                                                                 device=values.device),
+                                                    values.double().sum(), values.double().square().sum()]))
+    return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
 
 
 def sequence_log_ratio(log_ratio, loss_mask):
@@ -312,6 +343,26 @@ def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
         dual = (advantages < 0) & (loss > -clip_c * advantages)
         loss, was_clipped = torch.where(dual, -clip_c * advantages, loss), was_clipped | dual
     return loss, was_clipped
+
+
+def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, its eq. 4): the importance weight rho is clipped and detached, and
+    every token keeps the gradient A * weight * grad(log pi), however far its ratio has moved (PPO's clip drops the
+    token instead). logprobs, log_ratio [B, T]; advantages [B, 1] -> (loss, clipped). With rho = 1 (pi_old =
+    pi_theta): -A log pi, whose gradient is plain REINFORCE's."""
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
+    """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
+    tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
+    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
+    -> (loss, clipped: nothing is, all False)."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
+    return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator):
@@ -404,7 +455,13 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
     log_ratio = logprobs - old  # [B, T]
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
-    policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high, args.clip_ratio_c)
+    if args.policy_loss == "cispo":  # clip the weight
+        policy, clipped = cispo_policy_loss(logprobs, log_ratio, advantages, args.clip_eps, args.clip_eps_high)
+    elif args.policy_loss == "sapo":  # a soft gate
+        policy, clipped = sapo_policy_loss(log_ratio, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
+    else:  # clip the ratio
+        policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high,
+                                              args.clip_ratio_c)
     sampler_gap = old - torch.where(keep, sampler_logprobs, 0.0)  # log pi_old - log pi_sampler, [B, T]
     if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
         # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
@@ -458,8 +515,11 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     penalty = torch.zeros_like(task_rewards)
     if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
         penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+    # [P, G, weighted terms + 1]: the terms --reward-weights combines, then the shaping penalty (weight 1)
+    reward_parts = torch.stack([terms[..., task.reward_terms.index(name)] for name in args.reward_weights]
+                               + [penalty], dim=-1)
     return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
-                task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty)
+                task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
 
 
 def equal_groups(rewards):
@@ -494,12 +554,13 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
 # -----------------------------------------------------------------------------
 # One step of training: the batch, the frozen log-probs, the update
 
-def make_batch(prompts, samples, rewards, args, static=None):
+def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
     padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
     The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
     host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device.
-    static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come)."""
+    static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come).
+    reward_parts [P, G, terms + 1] (sample_groups): for --reward-combination normalize-then-sum."""
     G = args.num_samples
     lengths = samples["lengths"].tolist()
     widths = [len(prompts[row // G]) + lengths[row] - 1 for row in range(len(lengths))]  # input tokens per row
@@ -523,7 +584,10 @@ def make_batch(prompts, samples, rewards, args, static=None):
         loss_mask *= (~equal).repeat_interleave(G)[:, None]
     if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
         loss_mask *= (~samples["truncated"])[:, None]
-    advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
+    if args.reward_combination == "sum":
+        advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
+    else:
+        advantages = term_advantages(reward_parts, list(args.reward_weights.values()) + [1.0], args).flatten()
     batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, sampled_mask=sampled_mask,
                  advantages=advantages, sampler_logprobs=sampler_logprobs, rewards=rewards,
                  equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
@@ -726,8 +790,8 @@ def train(args, run):
         time_sample = time.time() - step_start
 
         # 3. Build the batch with group-relative advantages; 4-5. update the policy.
-        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack),
-                          run.device)
+        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack,
+                                     groups["reward_parts"]), run.device)
         update_start = time.time()
         stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners)
 
@@ -903,6 +967,12 @@ def check_config(args):
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.policy_loss != "clip" and (args.ratio_level == "sequence" or args.clip_ratio_c is not None),
+         f"--policy-loss {args.policy_loss} is per token: --ratio-level sequence and --clip-ratio-c are PPO-clip's"),
+        (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+        (args.reward_combination != "sum" and args.kl_placement == "reward" and args.kl_coef > 0,
+         "--reward-combination normalize-then-sum and --kl-placement reward: the KL would need a term of its own; "
+         "use one of them"),
         (args.ratio_level == "sequence" and args.aggregation != "sequence",
          f"--ratio-level sequence with --aggregation {args.aggregation}: a reply's one ratio (and loss) would count "
          "once per token, weighting replies by their length; use --aggregation sequence (GSPO's)"),
@@ -926,6 +996,7 @@ def check_config(args):
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
         (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
+                                           args.sapo_tau_pos, args.sapo_tau_neg,
                                            args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac,
                                            args.lora_alpha))),
          "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "

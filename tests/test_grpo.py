@@ -1326,3 +1326,71 @@ def test_a_pass_shorter_than_the_longest_row_is_refused_at_start(tmp_path):
     message = str(stop.value.code)
     assert message.startswith("error: --tokens-per-pass 12 is less than the longest row") and "\n" not in message
     assert "--max-new-tokens" in message and not (tmp_path / "short" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------- CISPO, SAPO, terms normalised
+
+def test_cispo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_and_advantages():
+    (cispo,), stats = gradients(*sampled_batch(args := args_for("--algo", "cispo", "--ppo-epochs", "1")), args)
+    reinforce_args = args_for("--algo", "reinforce", "--aggregation", "token", "--advantage", "zscore")
+    (reinforce,), _ = gradients(*sampled_batch(reinforce_args), reinforce_args)
+    assert args.policy_loss == "cispo" and args.aggregation == "token" and args.kl_coef == 0
+    for a, b in zip(cispo, reinforce):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in cispo)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], requires_grad=True)
+    log_ratio = torch.log(torch.tensor([[0.5, 1.0, 1.5, 3.0]]))  # pi_theta / pi_old
+    advantages = torch.tensor([[2.0]])
+    loss, clipped = grpo.cispo_policy_loss(logprobs, log_ratio, advantages, eps_low=1.0, eps_high=0.28)
+    loss.sum().backward()
+    weight = torch.tensor([[0.5, 1.0, 1.28, 1.28]])  # no lower bound (eps_low 1), the upper one 1.28
+    torch.testing.assert_close(logprobs.grad, -weight * 2.0)  # every token keeps a gradient, the far ones too
+    assert clipped.tolist() == [[False, False, True, True]]
+    # PPO's clip gives the tokens past the band in the advantage's direction no gradient at all
+    ratio_grad = torch.zeros(1, 4, requires_grad=True)
+    ppo, _ = grpo.clipped_policy_loss(log_ratio + ratio_grad, advantages, 0.2, 0.28)
+    ppo.sum().backward()
+    assert ratio_grad.grad[0, 2:].tolist() == [0.0, 0.0]
+
+
+def test_sapos_gate_has_the_gradient_of_its_formula_and_is_the_policy_gradient_at_ratio_one():
+    log_ratio = torch.log(torch.tensor([[0.6, 1.0, 1.3, 2.0], [0.6, 1.0, 1.3, 2.0]])).requires_grad_(True)
+    advantages = torch.tensor([[1.5], [-0.7]])  # one reply of each sign: tau_pos, tau_neg
+    loss, clipped = grpo.sapo_policy_loss(log_ratio, advantages, tau_pos=1.0, tau_neg=1.05)
+    loss.sum().backward()
+    ratio, tau = log_ratio.detach().exp(), torch.tensor([[1.0], [1.05]])
+    gate = torch.sigmoid(tau * (ratio - 1))
+    torch.testing.assert_close(loss, -(4 / tau) * gate * advantages)
+    # d/d(log rho) of -(4 / tau) sigmoid(tau (rho - 1)) A = -4 sigmoid' rho A
+    torch.testing.assert_close(log_ratio.grad, -4 * gate * (1 - gate) * ratio * advantages)
+    torch.testing.assert_close(log_ratio.grad[:, 1:2], -advantages)  # rho = 1: -A, the unclipped policy gradient
+    assert not clipped.any()
+
+
+def test_sapo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_and_advantages():
+    (sapo,), _ = gradients(*sampled_batch(args := args_for("--algo", "sapo", "--ppo-epochs", "1")), args)
+    reinforce_args = args_for("--algo", "reinforce", "--aggregation", "token", "--advantage", "zscore")
+    (reinforce,), _ = gradients(*sampled_batch(reinforce_args), reinforce_args)
+    for a, b in zip(sapo, reinforce):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_reward_terms_normalised_each_in_its_group_then_summed():
+    # two terms: "correct" spread 0 or 1, "format" spread 0.01 (weight 1 each); one group of 4 replies
+    parts = torch.tensor([[[1.0, 0.00, 0.0], [0.0, 0.01, 0.0], [1.0, 0.01, 0.0], [0.0, 0.00, 0.0]]])  # [P, G, K+1]
+    args = args_for("--advantage", "zscore", "--reward-combination", "normalize-then-sum")
+    got = grpo.term_advantages(parts, [1.0, 1.0, 1.0], args)
+    z = lambda x: (x - x.mean()) / (x.std() + 1e-4)  # noqa: E731
+    summed = z(parts[0, :, 0]) + z(parts[0, :, 1])  # the penalty term is all 0: no advantage
+    torch.testing.assert_close(got[0], summed / (summed.std() + 1e-4))
+    # summed first, the small term is drowned: replies 0 and 2 (and 1 and 3) nearly tie
+    plain = grpo.group_advantages(parts[..., 0] + parts[..., 1], "zscore")[0]
+    assert abs(plain[0] - plain[2]) < 0.02 and abs(got[0, 0] - got[0, 2]) > 0.5
+    # and through make_batch, from sample_groups' parts
+    model, prompts, samples, rewards = batch_inputs(args)
+    batch = grpo.make_batch(prompts, samples, rewards, args, reward_parts=torch.stack([rewards, 0 * rewards], -1))
+    torch.testing.assert_close(batch["advantages"], grpo.term_advantages(
+        torch.stack([rewards, 0 * rewards], -1), [1.0, 1.0], args).flatten())
