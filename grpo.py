@@ -13,6 +13,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     A_i       = r_i - mean(r)   (--advantage mean);  / (std(r) + eps)   (zscore);  * G / (G - 1)   (rloo)
     rho_t     = pi_theta(o_t) / pi_old(o_t)
     policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
+                (--policy-loss cispo: -sg(clip(rho_t, ...)) * A_i * log pi_theta(o_t);
+                 sapo: -(4 / tau) * sigmoid(tau * (rho_t - 1)) * A_i)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)   (or in the reward: r_i - beta sum_t k1_t)
     H_t       = entropy of pi_theta at the token's position (the full distribution)
     loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
@@ -1784,7 +1786,8 @@ SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_si
           "tokens_per_pass")
 # Flags added since runs began to be resumed, with what a run from before them did
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
-         "task_test": None, "grader": "number", "calculator": False}
+         "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
+         "sapo_tau_neg": 1.05, "reward_combination": "sum"}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
