@@ -1801,9 +1801,8 @@ SEMANTICS = {
                            "a step that straddles two epochs takes each question once"),
 }
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
-INPUTS = {"train": "train data (--task, --gsm8k-dir)", "test": "test data (--task-test, --gsm8k-dir)",
-          "tokenizer": "tokenizer (tokenizer.pkl of the start checkpoint)", "code": "task code", "watched": "data of "
-          "the watched task"}
+INPUTS = {"train": "train data ({})", "test": "test data ({})", "tokenizer": "tokenizer (tokenizer.pkl of the start "
+          "checkpoint)", "code": "task code", "watched": "data of the watched task"}
 
 
 def resume(args, run):
@@ -1829,7 +1828,9 @@ def resume(args, run):
         run_config.setdefault(k, v)
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
         if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
-            sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]]}{name.partition(':')[2] and ' '}"
+            flag = "--gsm8k-dir" if args.task == "gsm8k" else "--task" if name == "train" else "--task-test"
+            sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]].format(flag)}"
+                     f"{name.partition(':')[2] and ' '}"
                      f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
                      f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")

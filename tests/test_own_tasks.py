@@ -152,7 +152,7 @@ def test_a_resumed_run_refuses_a_changed_task_file_or_task_code(tmp_path, run_ki
     write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40, seed=1))
     with pytest.raises(SystemExit) as stop:
         grpo.main(flags + ["--resume"])
-    assert str(stop.value.code).startswith("error: --resume: the run's train data (--task, --gsm8k-dir) changed")
+    assert str(stop.value.code).startswith("error: --resume: the run's train data (--task) changed")
     (tmp_path / "reverse.py").write_text(TASK_FILE)
     flags = base_flags(tmp_path, "py", "--task", str(tmp_path / "reverse.py") + ":Reverse", "--save-every", "1")
     run_killed_after_first_save(flags)
@@ -224,10 +224,10 @@ def max_of_three(n, seed=0):
 
 def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
     # The shortened check of docs/tasks.md's measurement (held-out accuracy 0 -> 0.84-0.92 in 300 steps, 3 seeds):
-    # the demo's tiny model learns to answer from the file alone within 50 steps
+    # the demo's tiny model learns to answer from the file alone: 0 -> 0.425 in 70 steps (seed 0)
     path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(400))
     grpo.main(["--demo", "--task", path, "--runs-dir", str(tmp_path / "runs"), "--run-name", "max3", "--num-steps",
-               "50", "--eval-every", "50", "--eval-examples", "40", "--final-eval-examples", "40", "--save-every", "0",
+               "70", "--eval-every", "70", "--eval-examples", "40", "--final-eval-examples", "40", "--save-every", "0",
                "--log-samples", "0"])
     evals = [json.loads(line) for line in open(tmp_path / "runs" / "max3" / "metrics.jsonl")]
     evals = [m["eval_correct"] for m in evals if "eval_correct" in m]
