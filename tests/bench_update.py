@@ -78,7 +78,7 @@ def measure(args, model, ref_model, prompts, samples, rewards, size, pack):
     """-> (ops, syncs, micro-batches, loss, FLOPs, seconds) of one update: padded rows, size a pass
     (--device-batch-size), or with pack=True packed passes of size tokens (--tokens-per-pass)."""
     args.pack = pack
-    args.device_batch_size = args.tokens_per_pass = size
+    args.device_batch_size, args.tokens_per_pass = (None, size) if pack else (size, None)
     batch = grpo.make_batch(prompts, samples, rewards, args)
     micro_batches = len(batch["micro_batches"])
     optimizers = grpo.make_optimizers(model, args)
@@ -104,8 +104,8 @@ def count_d20(args):
     args.prompts_per_step, args.num_samples, args.max_new_tokens = 16, 16, 256
 
     def flops_per_token(prompts, samples, pack, size):
-        args.pack, args.device_batch_size = pack, size
-        args.tokens_per_pass = size
+        args.pack = pack
+        args.device_batch_size, args.tokens_per_pass = (None, size) if pack else (size, None)
         batch = grpo.to_device(grpo.make_batch(prompts, samples, torch.rand(16, 16).round(), args), "meta")
         counter = FlopCounterMode(display=False)
         with counter:
