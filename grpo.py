@@ -633,7 +633,7 @@ def plan_micro_batches(batch, args, static=None):
             mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
                                                        "sampler_logprobs")}  # [R, width], the rows' own layout
             mb.update(minibatch=j, rows=torch.tensor(chunk))
-            if args.pack:
+            if args.pack:  # the token ids become one sequence [1, total]; the masks stay in the rows' layout
                 mb.update(pack_micro_batch(mb, [widths[r] for r in chunk], args.tokens_per_pass, static))
                 mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
             else:
@@ -656,9 +656,8 @@ def to_device(batch, device):
 def logprobs_of(net, mb, args, with_entropy=False):
     """A micro-batch's log-probs (and entropies) in its rows' layout, [R, width]: a packed pass runs as one
     sequence, and each row's tokens are taken back out of it."""
-    out = net.token_logprobs(mb["packed_input_ids" if "pack" in mb else "input_ids"],
-                             mb["packed_target_ids" if "pack" in mb else "target_ids"], args.temperature,
-                             with_entropy=with_entropy, positions=mb["positions"], pack=mb.get("pack"))
+    out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
+                             positions=mb["positions"], pack=mb.get("pack"))
     if "pack" in mb:
         out = tuple(t.flatten()[mb["row_positions"]] for t in out) if with_entropy else out.flatten()[
             mb["row_positions"]]
@@ -2143,7 +2142,7 @@ def first_fit_decreasing(rows, widths, budget):
 
 
 def pack_micro_batch(mb, widths, budget, static):
-    """A micro-batch's rows [R, width] as one packed sequence: -> packed_input_ids, packed_target_ids [1, total],
+    """A micro-batch's rows [R, width] as one packed sequence: -> its input_ids and target_ids as [1, total],
     the pack GPT.hidden takes, and row_positions [R, width] (each row token's flat position in the sequence). total:
     the rows' tokens, or with static (rows, tokens a row) the budget, the tail padded, and the pack's tensors padded
     to those sizes: one shape for every pass of the run, so that a compiled forward is built once."""
@@ -2156,8 +2155,8 @@ def pack_micro_batch(mb, widths, budget, static):
     keep = torch.arange(width)[None] < torch.tensor(widths)[:, None]  # [R, width]: each row's real tokens
     packed = {}
     for k in ("input_ids", "target_ids"):
-        packed[f"packed_{k}"] = torch.zeros(1, total, dtype=mb[k].dtype)
-        packed[f"packed_{k}"][0, row_positions[keep]] = mb[k][keep]
+        packed[k] = torch.zeros(1, total, dtype=mb[k].dtype)
+        packed[k][0, row_positions[keep]] = mb[k][keep]
     return dict(packed, pack=pack, row_positions=row_positions)
 
 

@@ -121,5 +121,14 @@ def code_fingerprint(spec):
         return None
     module = spec.rpartition(":")[0]
     path = module if module.endswith(".py") else getattr(sys.modules.get(module), "__file__", None)
-    digest = hashlib.sha256(open(path, "rb").read()).hexdigest() if path and os.path.isfile(path) else None
+    digest = file_sha256([path]) if path and os.path.isfile(path) else None
     return {"module": module, "file": os.path.abspath(path) if path else None, "sha256": digest}
+
+
+def file_sha256(paths):
+    """The sha256 of these files' bytes, one after another."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()

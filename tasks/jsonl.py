@@ -16,12 +16,11 @@ Train and test: --task-test names a test file; without it every 10th problem of 
 counting problems, not blank lines) is held out for the evals.
 """
 import decimal
-import hashlib
 import json
 import os
 import re
 
-from tasks import Task
+from tasks import Task, file_sha256
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
@@ -163,7 +162,7 @@ class JSONLTask(Task):
             problems = [p for p, out in zip(problems, held_out) if out == (split == "test")]
         self.problems = problems
         self.tool = calculator if tool else None
-        self.sha256 = hashlib.sha256(b"".join(open(p, "rb").read() for p in self.paths)).hexdigest()
+        self.sha256 = file_sha256(self.paths)
 
     @classmethod
     def from_flags(cls, split, args, spec=None):

@@ -236,7 +236,7 @@ def test_infinite_terms_at_masked_positions_change_nothing(monkeypatch):
     grads = []
     for poison in (False, True):
         def ref_logprobs(net, micro_batches, args, autocast, poison=poison):
-            refs = [model.token_logprobs(mb["input_ids"], mb["target_ids"]).detach() - 0.1 for mb in micro_batches]
+            refs = [grpo.logprobs_of(model, mb, args).detach() - 0.1 for mb in micro_batches]
             return [ref.masked_fill(mb["loss_mask"] == 0, 1e4) if poison else ref
                     for ref, mb in zip(refs, micro_batches)]
 

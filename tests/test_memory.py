@@ -155,7 +155,7 @@ def test_an_offloaded_reference_needs_a_reference_copy():
 def test_an_offloaded_reference_gives_the_same_log_probs_and_returns_to_the_cpu():
     model, batch = sampled_batch(args_for())
     device = torch.device("cuda")
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = grpo.to_device(batch, device)
     reference = model.to(device)
     expected = reference.token_logprobs(batch["input_ids"], batch["target_ids"])
     for p in reference.parameters():
