@@ -20,6 +20,17 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
                 (nanochat | token | sequence | constant)
 The code reads top to bottom in the order a step runs; below the banner, the run's plumbing."""
+import os
+
+# A small model's ops take microseconds each, inside OpenMP parallel regions whose threads wait for one another at
+# every region's end. libgomp's waiting threads spin ~300,000 rounds before they sleep: when another process shares
+# the cores, a spinning thread holds a core the descheduled one needs, thousands of times a step (measured on the
+# CPU demo: 60x slower steps beside three other jobs). 1,000 rounds keep most of the spin's gain alone and hand the
+# core over when it is shared (docs/performance.md). Set before torch loads libgomp; a user's own setting wins.
+OPENMP_SPIN = "1000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
+
 import argparse
 import copy
 import errno
@@ -30,7 +41,6 @@ import importlib.util
 import io
 import json
 import math
-import os
 import pickle
 import random
 import re
@@ -47,6 +57,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
                    load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows,
@@ -228,6 +239,13 @@ arg("--device-batch-size", type=count, default=None, help="rows per forward/back
     "as many as its free memory holds beside the rest, else 8)")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
     help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
+arg("--threads", type=count, default=None, help="CPU threads of a CPU run, fixed for the run (default: "
+    "OMP_NUM_THREADS if set, else one per rank with several processes, else one per core)")
+arg("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="how the sampler's decode "
+    "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU")
+arg("--self-check", action=argparse.BooleanOptionalAction, default=None, help="before the first step, compare the "
+    "fast paths (packed/flash attention, compiled forward, captured decode) with the plain one on a few real rows, "
+    "and stop if they differ beyond rounding (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
     help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
@@ -506,7 +524,7 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
         chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool)
+                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode)
                   for i in range(0, len(prompts), per_call)]
     samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
@@ -1250,6 +1268,7 @@ def start_run(args, run_dir, rank, writes):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
+    log(thread_policy(args, device, world_size))
     if args.compile is None:  # a compile costs a minute or more: worth it on a GPU, not for the CPU's small runs
         args.compile = device.type == "cuda"
     # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
@@ -1333,6 +1352,8 @@ def start_run(args, run_dir, rank, writes):
     if args.resume:
         run.start_step = resume(args, run)
         log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
+    if args.self_check if args.self_check is not None else device.type == "cuda":
+        self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
     run.wandb = None
@@ -1340,6 +1361,80 @@ def start_run(args, run_dir, rank, writes):
         import wandb
         run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
     return run
+
+
+# The self-check's bound: a fast path may be at most this many times as far from the float32 plain path as the
+# run's plain path is (rounding of the run's dtype), plus SELF_CHECK_FLOOR (a float32 run's own rounding).
+SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
+
+
+def self_check(args, run, questions=4, new_tokens=16):
+    """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
+    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), then
+    their log-probs and the gradient of a fixed weighted sum of them through the update's path (packed passes, flash
+    attention on a GPU, --compile) and through the plain one (padded rows, eager), each measured against the plain
+    path in float32; the sampler's own log-probs likewise. Prints one line; a path beyond the bound stops every
+    rank with one line naming it and the flag that avoids it."""
+    start = time.time()
+    model, G = run.model, 2
+    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(
+        run.train_task)))]
+    model.eval()
+    with run.autocast:
+        samples = generate(model, run.tokenizer, prompts, G, min(new_tokens, args.max_new_tokens), args.temperature,
+                           None, seed=args.seed, decode=args.decode)
+    rows = len(prompts) * G
+    fast = SimpleNamespace(**dict(vars(args), drop_equal_groups=False, mask_truncated=False))  # every sampled token
+    plain = SimpleNamespace(**dict(vars(fast), pack=False, device_batch_size=rows))
+    paths = {"fast": (fast, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(rows, samples["tokens"].size(1) + max(map(len, prompts)),
+                          generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    results = {}
+    for name, (path_args, autocast) in paths.items():
+        batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
+                                     run.static_pack if path_args.pack else None), run.device)
+        logprobs = torch.zeros(rows, batch["input_ids"].size(1), device=run.device)
+        model.use_compile = args.compile and name == "fast"
+        with autocast:
+            for mb in batch["micro_batches"]:
+                out = logprobs_of(model, mb, path_args) * mb["loss_mask"]  # [R, width]
+                logprobs = logprobs.index_copy(0, mb["rows"], F.pad(out, (0, logprobs.size(1) - out.size(1))))
+        grads = torch.autograd.grad((logprobs * weights[:, :logprobs.size(1)]).sum(), params)
+        results[name] = (logprobs.detach().float(), torch.cat([g.flatten().float() for g in grads]),
+                         batch["sampler_logprobs"] * batch["sampled_mask"])
+    model.use_compile = args.compile
+    reference_logprobs, reference_grads, _ = results["float32"]
+    def distance(name):
+        logprobs, grads, _ = results[name]
+        return ((logprobs - reference_logprobs).abs().max(),
+                (grads - reference_grads).norm() / reference_grads.norm().clamp(min=1e-30))
+    fast, plain = distance("fast"), distance("plain")
+    decode = (results["plain"][2] - reference_logprobs).abs().max()
+    checks = torch.stack([fast[0], plain[0], fast[1], plain[1], decode]).double()
+    checks = torch.where(checks.isfinite(), checks, math.inf)
+    checks = all_reduce(checks, dist.ReduceOp.MAX)  # the worst rank's: every rank stops if one fails
+    fast_lp, plain_lp, fast_grad, plain_grad, decode = checks.tolist()
+    bound_lp = SELF_CHECK_FACTOR * plain_lp + SELF_CHECK_FLOOR
+    bound_grad = SELF_CHECK_FACTOR * plain_grad + SELF_CHECK_FLOOR
+    fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
+                  else "padded rows") + (", compiled" if args.compile else ""))
+    fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
+    decode_path = f"the sampler's decode (--decode {args.decode})"
+    failed = [(what, value, bound, flag) for what, value, bound, flag in (
+        (f"{fast_path}: log-probs", fast_lp, bound_lp, fast_flag),
+        (f"{fast_path}: the gradient", fast_grad, bound_grad, fast_flag),
+        (f"{decode_path}: its log-probs", decode, bound_lp + plain_lp, "--decode dynamic"),
+    ) if not value <= bound]
+    if failed:
+        what, value, bound, flag = failed[0]
+        remedy = f"run with {flag} (and report it)" if flag else "report it"
+        sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
+                 f"run's own rounding {plain_lp if 'log' in what else plain_grad:.3g}): that path is wrong on this "
+                 f"device; {remedy}, or --no-self-check to train anyway")
+    run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
+            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}); {decode_path} log-probs {decode:.2e}; "
+            f"{rows} rows, {time.time() - start:.1f}s")
 
 
 def load_policy(args, log, shapes_only=False):
@@ -1374,6 +1469,29 @@ def tokenizer_path(checkpoint_dir):
     base = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir)))
     beside = os.path.join(base, "tokenizer", "tokenizer.pkl")
     return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
+
+
+# -----------------------------------------------------------------------------
+# CPU threads (see OPENMP_SPIN at the top for how long a waiting thread spins)
+
+def thread_policy(args, device, world_size):
+    """Set this process's CPU threads for the run -> the line that says how many and why. The count is fixed for
+    the whole run: a reduction's last bits may depend on it, and the same seed on the same machine is the same run."""
+    if device.type != "cpu":
+        return f"threads: {torch.get_num_threads()} on the host (the work is on {device.type})"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        why = "--threads"
+    elif "OMP_NUM_THREADS" in os.environ:
+        why = "OMP_NUM_THREADS"
+    elif world_size > 1:  # as torchrun sets it: the ranks share the cores
+        torch.set_num_threads(1)
+        why = "one per rank, as torchrun's"
+    else:
+        why = "torch's default, one per core"
+    spin = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else
+            f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
+    return f"threads: {torch.get_num_threads()} ({why}; {spin}; --threads N sets it)"
 
 
 # -----------------------------------------------------------------------------
@@ -1776,17 +1894,19 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 # evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
 # the training RNG).
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
-                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task")
+                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task",
+                  "self_check")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
 # steps up to float rounding (another summation order); a change is noted like the step sizes'.
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile", "pack",
-          "tokens_per_pass")
+          "tokens_per_pass", "threads", "decode")
 # Flags added since runs began to be resumed, with what a run from before them did
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
-         "sapo_tau_neg": 1.05, "reward_combination": "sum"}
+         "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
+         "decode": "auto", "self_check": None}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)

@@ -199,18 +199,25 @@ class CausalSelfAttention(nn.Module):
 def packed_attention(q, k, v, pack, mask, window, gqa):
     """Causal attention of rows packed into one sequence: q [T, H, hd], k, v [T, H_kv, hd] -> [T, H, hd], each row
     attending to its own earlier tokens only (and within `window` keys back). pack (GPT.hidden): each row's span,
-    as cu_seqlens [S + 1] (the tail's padding one more span) and as a padded block of flat indices rows [R, L].
+    as cu_seqlens [S + 1] (the tail's padding in spans of at most L more) and as a padded block of flat indices
+    rows [R, L].
     On CUDA in bf16/fp16 flash attention over the spans (varlen_attn); elsewhere, and exact: the rows gathered into
     the padded block, causal attention there (mask: the window's, [L, L], or None), and scattered back. Neither
     ever lets a token see another row."""
     L = pack["max_len"]
     reach = -1 if window is None or window >= L - 1 else window  # -1: the whole row back
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256:
+    if flash_varlen(q):
         return varlen_attn(q, k, v, pack["cu_seqlens"], pack["cu_seqlens"], L, L, window_size=(reach, 0),
                            enable_gqa=gqa)
     q, k, v = (t[pack["rows"]].transpose(1, 2) for t in (q, k, v))  # [R, H, L, hd]
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     return y.transpose(1, 2).flatten(0, 1)[pack["flat"]]  # [R * L, H, hd] -> [T, H, hd]
+
+
+def flash_varlen(q):
+    """Whether packed attention runs varlen_attn: its flash kernels take CUDA bf16/fp16 with a head size that is a
+    multiple of 8, up to 256. (The CPU suite forces this branch with a strict stand-in of the kernel.)"""
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
 
 
 class MLP(nn.Module):
@@ -745,7 +752,9 @@ def pack_rows(widths, total, max_rows, max_len):
     it, on the host; each row's flat positions [R, width], for the trainer). total >= sum(widths): the packed length,
     padding after the rows; max_rows, max_len: the shapes the row block and cu_seqlens are padded to (static shapes
     for a compiled forward). pack: offsets [total] (each token's position in its row; 0 in the padding),
-    cu_seqlens [max_rows + 2] int32 (the rows' spans, then the padding's, then empty ones), rows [max_rows, max_len]
+    cu_seqlens [max_rows + ceil(total / max_len) + 1] int32 (the rows' spans, then the padding's, cut into spans of
+    at most max_len: flash attention computes no position of a span past the max_len it is told, forward or
+    backward, and leaves it uninitialised; then empty spans), rows [max_rows, max_len]
     (each row's flat positions, its padding pointing at its own last token, unused rows at position 0), flat [total]
     (each packed position's index into rows.flatten(); the padding's at an unused slot), max_len."""
     starts = [0]
@@ -760,7 +769,8 @@ def pack_rows(widths, total, max_rows, max_len):
         offsets[start:start + w] = span
         rows[r] = start + torch.arange(max_len).clamp(max=w - 1)
         flat[start:start + w] = r * max_len + span
-    cu_seqlens = torch.tensor(starts + [total] * (max_rows + 2 - len(starts)), dtype=torch.int32)
+    ends = starts + list(range(used + max_len, total, max_len)) + [total]  # the padding, in spans of <= max_len
+    cu_seqlens = torch.tensor(ends + [total] * (max_rows + 1 + -(-total // max_len) - len(ends)), dtype=torch.int32)
     return dict(offsets=offsets, cu_seqlens=cu_seqlens, rows=rows, flat=flat, max_len=max_len), rows[:len(widths)]
 
 

@@ -2,10 +2,14 @@ import os
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# grpo before torch: it bounds how long OpenMP's waiting threads spin (OPENMP_SPIN) before torch loads libgomp, so the
+# suite's time, like a run's, hangs less on what else the machine runs. The processes the tests start inherit it.
+import grpo  # noqa: E402,F401
+import torch  # noqa: E402
+
 GSM8K_DIR = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 
 

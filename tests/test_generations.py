@@ -483,3 +483,62 @@ def test_on_cuda_flash_attention_over_packed_rows_gives_the_padded_rows_numbers(
     def error(grads):
         return sum(((g.double() - r) ** 2).sum() for g, r in zip(grads, reference_grads)).sqrt()
     assert error(packed_grads) <= 2 * error(padded_grads)
+
+
+def trainer_batch(prompt_lengths, G, max_new_tokens, budget, static, seed=0):
+    """A batch as the trainer plans it (make_batch: minibatches, passes packed first-fit into --tokens-per-pass, with
+    static: one shape for every pass), of random prompts and replies -> (batch, args)."""
+    args = grpo.resolve_config(["--demo", "--num-samples", str(G), "--prompts-per-step", str(len(prompt_lengths)),
+                                "--max-new-tokens", str(max_new_tokens), "--tokens-per-pass", str(budget)])
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompt_lengths]
+    N = len(prompts) * G
+    lengths = torch.randint(5, max_new_tokens + 1, (N,), generator=gen)
+    samples = dict(tokens=torch.randint(0, 256, (N, max_new_tokens), generator=gen), mask=torch.ones(N, max_new_tokens),
+                   logprobs=torch.zeros(N, max_new_tokens), lengths=lengths, truncated=lengths == max_new_tokens)
+    shape = (N, max(prompt_lengths) + max_new_tokens - 1) if static else None
+    rewards = torch.randint(0, 2, (len(prompts), G), generator=gen).float()
+    return grpo.make_batch(prompts, samples, rewards, args, shape), args
+
+
+def packed_passes_through(model, batch, args, weights, autocast):
+    """Each planned pass's log-probs in its rows' layout, and the gradient of sum(weights x log-probs) over them."""
+    with autocast:
+        logprobs = [grpo.logprobs_of(model, mb, args) * mb["loss_mask"] for mb in batch["micro_batches"]]
+    params = [p for p in model.parameters() if p.requires_grad]
+    objective = sum((lp.double() * weights[mb["rows"], :lp.size(1)]).sum() for lp, mb in zip(
+        logprobs, batch["micro_batches"]))
+    return [lp.detach().double() for lp in logprobs], torch.autograd.grad(objective, params)
+
+
+@pytest.mark.parametrize("name, static", [(name, True) for name in GENERATIONS] + [
+    ("smear-backout+lora", True), ("smear-backout", False)])
+def test_the_trainers_packed_passes_keep_flash_attentions_contract(name, static, monkeypatch):
+    # The CUDA branch of packed attention (varlen_attn) on the CPU, through a stand-in that refuses what the kernel
+    # assumes away (tests/kernels.py): a span longer than max_q is one whose tail the kernel never computes. Every
+    # pass the trainer plans for rows longer than the short window (128) must keep the contract, and give the
+    # numbers of packed attention's exact fallback, both in bf16 against the float64 fallback.
+    from kernels import strict_varlen_attn
+    checkpoint_dir, _, _ = fixture(name.split("+")[0])
+    model, _ = load_fixture(name.split("+")[0], checkpoint_dir)
+    exact_model = copy.deepcopy(model).double()
+    if name.endswith("+lora"):  # (each its own: an adapter's hook holds its own model's weights)
+        for m in (model, exact_model):
+            m.add_lora(4, 8.0, seed=0)
+        exact_model.double()
+    batch, args = trainer_batch([20, 30], 3, 150, 384, static)
+    weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    exact, exact_grads = packed_passes_through(exact_model, batch, args, weights, nullcontext())
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    fallback, fallback_grads = packed_passes_through(model, batch, args, weights, bf16)
+    calls = []
+    monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(model_module, "varlen_attn", lambda *a, **k: calls.append(1) or strict_varlen_attn(*a, **k))
+    flash, flash_grads = packed_passes_through(model, batch, args, weights, bf16)
+    assert len(calls) == model.config.n_layer * len(batch["micro_batches"])  # every layer of every pass took it
+    def error(values, reference):
+        return max((v - r).abs().max().item() for v, r in zip(values, reference))
+    def grad_error(grads):
+        return sum(((g.double() - e) ** 2).sum() for g, e in zip(grads, exact_grads)).sqrt().item()
+    assert 0 < error(fallback, exact) and error(flash, exact) <= 2 * error(fallback, exact)
+    assert 0 < grad_error(fallback_grads) and grad_error(flash_grads) <= 2 * grad_error(fallback_grads)
