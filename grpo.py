@@ -882,11 +882,14 @@ def out_of_memory(args, world_size, trace):
                 f"{args.num_samples}), or --max-new-tokens")
     if phase in ("frozen_logprobs", "policy_update"):
         what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
+        if args.pack and args.device_batch_size:  # the passes are rows of whole questions: --tokens-per-pass idle
+            return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} packed rows a forward "
+                    f"pass, each a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size "
+                    "(the result is the same, in more passes) or --max-new-tokens")
         if args.pack:
-            rows = f", at most --device-batch-size {args.device_batch_size} rows" if args.device_batch_size else ""
-            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass{rows}",
-                    "lower --tokens-per-pass (at least the longest prompt and reply) or --device-batch-size (rows a "
-                    "pass): the result is the same, in more passes")
+            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
+                    "lower --tokens-per-pass (at least the longest prompt and reply): the result is the same, in "
+                    "more passes")
         return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
                 f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
                 "result is the same, in more passes) or --max-new-tokens")
@@ -1087,7 +1090,11 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     rows = sample_batch_rows(args, world_size)
     kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
-    if args.pack:
+    if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
+        tokens = micro_rows * (length - 1)
+        activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
+                       pass_activations(c, tokens, compute_bytes))
+    elif args.pack:
         activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
                        pass_activations(c, args.tokens_per_pass, compute_bytes))
     else:
@@ -1204,7 +1211,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
         log("note: --ref-offload keeps the reference off a GPU; on the CPU it stays where it is")
     plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu)
     longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
-    if args.pack and longest_row > args.tokens_per_pass:
+    if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
         sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
                  f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
                  f"raise it to at least {longest_row}, or lower --max-new-tokens")
@@ -1216,7 +1223,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
                                                     if world_size > 1 and args.shard_optimizer else "") + (
-        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack
+        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack and not args.device_batch_size
         else f"; --device-batch-size {args.device_batch_size}")
     log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
@@ -1226,9 +1233,9 @@ def plan_memory(args, world_size, device, dtype, task, log):
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
+        rows_flag = "--tokens-per-pass" if args.pack and not args.device_batch_size else "--device-batch-size"
         log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
-            f"--sample-batch-size or {'--tokens-per-pass' if args.pack else '--device-batch-size'} if the run runs out "
-            "of memory")
+            f"--sample-batch-size or {rows_flag} if the run runs out of memory")
     return longest_prompt
 
 

@@ -881,7 +881,13 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"no model_<step>.pt files in {os.path.abspath(checkpoint_dir)}")
-    step = steps[-1] if step is None else step
+    if step is None:
+        step = steps[-1]
+        has_meta = [os.path.isfile(os.path.join(checkpoint_dir, f"meta_{s:06d}.json")) for s in steps]
+        if not has_meta[-1] and len(steps) > 1 and all(has_meta[:-1]):  # a writer of the model first (nanochat)
+            log(f"note: step {step} of {checkpoint_dir} is not complete yet (no meta_{step:06d}.json): loading "
+                f"step {steps[-2]}, the newest complete one")
+            step = steps[-2]
     if step not in steps:
         raise FileNotFoundError(f"no step {step} in {checkpoint_dir}; available steps: {steps}")
     meta = read_meta(os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
@@ -1099,16 +1105,18 @@ def _atomic_save(obj, path):
 
 
 def save_checkpoint(checkpoint_dir, step, model, meta=None):
-    """model_<step>.pt and meta_<step>.json in the generation and on-disk dtypes the model was loaded with (LoRA
+    """meta_<step>.json and model_<step>.pt in the generation and on-disk dtypes the model was loaded with (LoRA
     adapters merged), so that nanochat's code of that generation loads them. The embedding tables of a loaded
-    nanochat checkpoint are bf16 on disk: those are rounded here, and master_weights() keeps what rounding loses."""
-    atomic_save({k: v.detach().to("cpu", model.disk_dtypes.get(k, v.dtype))
-                 for k, v in model.merged_state_dict().items()}, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
+    nanochat checkpoint are bf16 on disk: those are rounded here, and master_weights() keeps what rounding loses.
+    The meta first, the model last: a reader that takes the largest model_<step>.pt (this project's, nanochat's)
+    while a run saves finds that step's meta there already."""
     model_config = asdict(model.config)
     if not model.generation.short_window:  # a field that nanochat's GPT of this generation does not have
         del model_config["window_pattern"]
     atomic_save(dict(meta or {}, step=step, model_config=model_config, nanogrpo_generation=model.generation_name),
                 os.path.join(checkpoint_dir, f"meta_{step:06d}.json"))
+    atomic_save({k: v.detach().to("cpu", model.disk_dtypes.get(k, v.dtype))
+                 for k, v in model.merged_state_dict().items()}, os.path.join(checkpoint_dir, f"model_{step:06d}.pt"))
 
 
 def master_weight_names(model):

@@ -165,3 +165,26 @@ def test_an_offloaded_reference_gives_the_same_log_probs_and_returns_to_the_cpu(
         assert all(p.is_cuda for p in reference.parameters())
         assert torch.equal(reference.token_logprobs(batch["input_ids"], batch["target_ids"]), expected)
     assert all(p.data is cpu and cpu.is_pinned() for p, cpu in zip(reference.parameters(), before))
+
+
+def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_budget():
+    # --pack --device-batch-size D: passes of D whole rows; --tokens-per-pass does not form them, so it is neither
+    # checked against the longest row nor what the plan counts, and the out-of-memory line names the rows
+    from tasks import build
+    args = grpo.resolve_config(["--demo", "--device-batch-size", "4", "--max-new-tokens", "5000"])
+    lines = []
+    longest_prompt = grpo.plan_memory(args, 1, torch.device("cpu"), "float32", build("sort", "train", args),
+                                      lines.append)
+    assert "update: activations of 4 packed rows" in lines[0] and "--device-batch-size 4" in lines[0]
+    assert "--tokens-per-pass" not in lines[0]
+    model, _, _ = grpo.load_policy(args, None, shapes_only=True)
+    plan = grpo.memory_plan(model, args, 1, longest_prompt, "float32")
+    rows = next(v for k, v in plan.items() if k.startswith("update: activations"))
+    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1), 4)
+    def update_oom():
+        grpo.policy_update(None, None, None, None, None)
+    try:
+        update_oom()
+    except Exception as e:  # (the traceback's innermost step function names the phase)
+        problem, remedy = grpo.out_of_memory(args, 1, e.__traceback__)
+    assert "--device-batch-size 4 packed rows" in problem and "--tokens-per-pass" not in problem + remedy
