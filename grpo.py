@@ -888,8 +888,8 @@ def out_of_memory(args, world_size, trace):
                     "(the result is the same, in more passes) or --max-new-tokens")
         if args.pack:
             return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
-                    "lower --tokens-per-pass (at least the longest prompt and reply): the result is the same, in "
-                    "more passes")
+                    "lower --tokens-per-pass (at least the longest prompt and reply), or give --device-batch-size "
+                    "(rows a pass): the result is the same, in more passes")
         return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
                 f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
                 "result is the same, in more passes) or --max-new-tokens")
