@@ -27,8 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
+
+if torch.backends.cuda.is_built():  # flash attention over packed rows (packed_attention), for CUDA runs only
+    from torch.nn.attention.varlen import varlen_attn
+else:  # a CPU build of torch, where packed attention is always exact: skip the import, which loads torch's compiler
+    varlen_attn = None  # (about 2 s of every start on a small CPU)
 
 # -----------------------------------------------------------------------------
 # The GPT, in every generation that nanochat has written checkpoints of

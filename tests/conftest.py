@@ -10,6 +10,10 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402,F401
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each, as ranks do
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the runs the tests start as processes too
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 GSM8K_DIR = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 
 

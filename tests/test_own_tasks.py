@@ -224,11 +224,12 @@ def max_of_three(n, seed=0):
 
 def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
     # The shortened check of docs/tasks.md's measurement (held-out accuracy 0 -> 0.84-0.92 in 300 steps, 3 seeds):
-    # the demo's tiny model learns to answer from the file alone: 0 -> 0.425 in 70 steps (seed 0)
+    # the demo's tiny model learns to answer from the file alone. With 8x the demo's learning rate, 30 steps:
+    # 0 -> 0.55, 0 -> 0.475, 0.125 -> 0.425 for seeds 0-2 (trajectories differ between processors, so a margin)
     path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(400))
     grpo.main(["--demo", "--task", path, "--runs-dir", str(tmp_path / "runs"), "--run-name", "max3", "--num-steps",
-               "70", "--eval-every", "70", "--eval-examples", "40", "--final-eval-examples", "40", "--save-every", "0",
-               "--log-samples", "0"])
+               "30", "--eval-every", "30", "--eval-examples", "40", "--final-eval-examples", "40", "--save-every", "0",
+               "--log-samples", "0", "--init-lr-frac", "2.0"])
     evals = [json.loads(line) for line in open(tmp_path / "runs" / "max3" / "metrics.jsonl")]
     evals = [m["eval_correct"] for m in evals if "eval_correct" in m]
-    assert evals[0] < 0.1 and evals[-1] >= 0.3, evals
+    assert evals[0] < 0.2 and evals[-1] >= 0.3, evals
