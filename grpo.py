@@ -162,8 +162,8 @@ arg("--sample-batch-size", type=count, default=None, help="replies sampled per g
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg("--reward-combination", default="sum", choices=["sum", "normalize-then-sum"], help="several reward terms: "
-    "their weighted sum, then the group advantages; or each term's group advantages, then their weighted sum "
-    "divided by its std over the step (GDPO)")
+    "their weighted sum, then the group advantages (--advantage); or each term z-scored in its group, then their "
+    "weighted sum divided by its std over the step (GDPO, whatever --advantage says)")
 arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
     "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW")
@@ -327,11 +327,11 @@ def group_advantages(rewards, kind, eps=1e-4):
 
 
 def term_advantages(reward_parts, weights, args, eps=1e-4):
-    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242; TRL's "normalize_then_sum"): each reward
-    term's own group advantages (--advantage), weighted and summed, then divided by the std of that sum over the
-    step's replies on all ranks, so that a term with a small spread is not drowned by one with a large spread.
-    reward_parts [P, G, K] -> [P, G]."""
-    summed = sum(w * group_advantages(reward_parts[..., k], args.advantage) for k, w in enumerate(weights))
+    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
+    (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
+    would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
+    ranks. reward_parts [P, G, K] -> [P, G]."""
+    summed = sum(w * group_advantages(reward_parts[..., k], "zscore") for k, w in enumerate(weights))
     return summed / (step_std(summed) + eps)
 
 
@@ -1291,6 +1291,9 @@ def start_run(args, run_dir, rank, writes):
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
+    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
+        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
+                                                                   " (its test split)"))
     if args.num_steps is None:  # the task's default needed its data: one epoch
         args.num_steps = config["num_steps"] = max(1, len(train_task) // args.prompts_per_step)
         if args.warmup_steps >= args.num_steps:

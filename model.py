@@ -700,7 +700,11 @@ class Tokenizer:
             ids.extend(tokens)
             mask.extend([m] * len(tokens))
 
-        for message in conversation["messages"]:
+        messages = conversation["messages"]
+        if messages[0]["role"] == "system":  # as nanochat renders one: folded into the first user message
+            first = dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])
+            messages = [first] + messages[2:]
+        for message in messages:
             content = message["content"]
             if message["role"] == "user":
                 add([self.user_start] + self.encode(content) + [self.user_end], 0)

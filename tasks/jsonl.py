@@ -1,60 +1,91 @@
 """
 A task from a JSONL file: one problem per line, graded by a rule the user picks (docs/tasks.md).
 
-A line is {"question": str, "answer": str} (the fields of GSM8K's own files), or {"messages": [...]} in nanochat's
-shape (the last assistant message is the answer), optionally with "choices": [str, ...] (a multiple-choice problem:
-listed under the question as "A. ...", "B. ...") and "grader": "number" | "exact" | "choice", which wins over
---grader. The file is read as data only: JSON, never code.
+A line is {"question": str, "answer": str or number} (the fields of GSM8K's own files), or {"messages": [...]} in
+nanochat's shape (an optional system message first, then user and assistant in turn; the last assistant message is
+the answer), optionally with "choices": [str, ...] (a multiple-choice problem: listed under the question as "A. ...",
+"B. ...") and "grader": "number" | "exact" | "choice", which wins over --grader. The file is read as data only:
+JSON, never code; a UTF-8 byte-order mark is skipped.
 
-Graders, each reading the reply's answer and comparing it with the line's answer:
+Graders, each reading the reply's answer and comparing it with the line's answer (docs/tasks.md has the table):
 - number: the number after the first "####" (what nanochat's SFT teaches a model to write), else the last number in
-  the reply; compared as numbers: "1,000" = "1000", "3.50" = "3.5", "-2" != "2";
+  the reply; compared exactly, as rationals: "1,000" = "1000", "3.50" = "3.5", "3/8" = "0.375" = "6/16", "-2" != "2".
+  A minus is a sign only where a number starts (not right after a digit or letter: "10-5" reads 10 and 5); Unicode
+  minus and full-width digits read as ASCII; thousands separators count only in groups of three; "$" before and
+  "%" after a number are ignored ("50%" reads 50);
 - exact: the reply, trimmed and case-folded, equals the answer trimmed and case-folded;
-- choice: the letter the reply commits to ("B", "(B)", "The answer is B.") equals the answer's letter (the answer
-  is a letter, "(B)", or the text of one choice).
+- choice: the letter the reply commits to equals the answer's letter (the answer is a letter, "(B)", or the text
+  of one choice). A reply commits by "Answer: B" / "the answer is B", "(B)", "**B**", the text of one choice as the
+  whole reply, or else its last capital letter standing alone; "A" and "I" followed by a word are words, not
+  letters, and a lower-case letter never counts.
 Train and test: --task-test names a test file; without it every 10th problem of the file (lines 1, 11, 21, ...
-counting problems, not blank lines) is held out for the evals.
+counting problems, not blank lines) is held out for the evals. A file only watched (--eval-task) is evaluated whole.
 """
 import decimal
 import json
 import os
 import re
+import unicodedata
+from fractions import Fraction
 
 from tasks import Task, file_sha256
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
 HELD_OUT_EVERY = 10
-NUMBER = r"-?(?:\d[\d,]*)?\.?\d+"
-MARKED_NUMBER = re.compile(r"####\s*\$?\s*(" + NUMBER + ")")
+# A number: a sign only where it starts (not after a digit, letter or point), an optional "$", digits with commas
+# only in proper groups of three, an optional decimal part, and an optional "/ denominator" (a rational).
+UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
+MARKED_NUMBER = re.compile(r"####\s*\$?\s*" + NUMBER)
 ANY_NUMBER = re.compile(NUMBER)
-# The explicit ways a reply commits to a letter, most explicit first; else its last standalone capital letter.
-COMMITTED_LETTER = [re.compile(r"answer\s*(?:is|:)?\s*:?\s*\(?([A-Z])\b\)?", re.IGNORECASE),
-                    re.compile(r"\(([A-Z])\)"), re.compile(r"^\s*([A-Z])\s*[.):]?\s*$")]
-STANDALONE_LETTER = re.compile(r"\b([A-Z])\b")
+# A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick"), and not inside a word.
+LETTER = r"(?!(?:A|I)\s+[a-z])\b([A-Z])\b"
+# The ways a reply commits to a letter, most explicit first; the last match of a rule wins (the conclusion).
+COMMITTED_LETTER = [re.compile(r"(?i:answer)\s*(?:is|:|=)?\s*:?\s*(?:\*\*)?\(?" + LETTER),
+                    re.compile(r"\(" + LETTER + r"\)|\*\*\(?" + LETTER + r"\)?\*\*")]
+STANDALONE_LETTER = re.compile(LETTER)
+
+
+def plain(text):
+    """Full-width digits and signs as ASCII (NFKC), the Unicode minus and fraction slash as "-" and "/"."""
+    return unicodedata.normalize("NFKC", text).replace("\u2212", "-").replace("\u2044", "/")
 
 
 def read_number(text):
-    """'... #### 1,000' -> Decimal('1000'); else the last number in the text; None when there is none."""
-    match = MARKED_NUMBER.search(text)
-    found = match.group(1) if match else (ANY_NUMBER.findall(text) or [None])[-1]
-    if found is None:
+    """'... #### 1,000' -> Fraction(1000); '3/8' -> Fraction(3, 8); else the last number in the text; None when
+    there is none (or it divides by 0)."""
+    text = plain(text)
+    match = MARKED_NUMBER.search(text) or ([None] + list(ANY_NUMBER.finditer(text)))[-1]
+    if match is None:
         return None
-    try:
-        return decimal.Decimal(found.replace(",", ""))
-    except decimal.InvalidOperation:
-        return None
+    sign, numerator, denominator = match.groups()
+    value = Fraction(decimal.Decimal(numerator.replace(",", "")))
+    if denominator is not None:
+        below = Fraction(decimal.Decimal(denominator.replace(",", "")))
+        if below == 0:
+            return None
+        value /= below
+    return -value if sign else value
 
 
 def read_letter(text, choices):
     """The letter a reply commits to, among the first len(choices) letters; None when it commits to none."""
     letters = [chr(ord("A") + i) for i in range(len(choices))]
+
+    def last(found):
+        found = [letter for letter in found if letter in letters]
+        return found[-1] if found else None
+
     for pattern in COMMITTED_LETTER:
-        match = pattern.search(text)
-        if match and match.group(1).upper() in letters:
-            return match.group(1).upper()
-    standalone = [letter for letter in STANDALONE_LETTER.findall(text) if letter in letters]
-    return standalone[-1] if standalone else None
+        letter = last(next(g for g in m.groups() if g) for m in pattern.finditer(text))
+        if letter:
+            return letter
+    said = text.strip().rstrip(".").strip().casefold()
+    named = [i for i, c in enumerate(choices) if c.strip().casefold() == said]
+    if named:
+        return letters[named[0]]
+    return last(STANDALONE_LETTER.findall(text))
 
 
 def answer_letter(answer, choices):
@@ -89,7 +120,7 @@ def read_problems(path, grader):
     except OSError as e:
         raise ValueError(f"cannot read the task file {path} ({e.strerror}): check the path") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (as Windows editors save UTF-8) is not text
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"{path} line {line} is not UTF-8 text: save the file as UTF-8") from None
@@ -99,9 +130,11 @@ def read_problems(path, grader):
             continue
         where = f"{path} line {n}"
         try:
-            row = json.loads(line)
+            row = json.loads(line, parse_float=decimal.Decimal)  # an answer 0.1 stays the number written
         except ValueError as e:
             raise ValueError(f"{where} is not JSON ({e.msg}): one JSON object a line") from None
+        except RecursionError:
+            raise ValueError(f"{where} nests brackets too deeply to read: one flat JSON object a line") from None
         problems.append(problem(row, where, grader))
     if not problems:
         raise ValueError(f"{path} holds no problem: one JSON object a line, with question and answer")
@@ -122,19 +155,26 @@ def problem(row, where, default_grader):
         raise ValueError(f"{where}: choices must be a list of up to 26 non-empty strings")
     if "messages" in row:
         messages = row["messages"]
-        if not (isinstance(messages, list) and len(messages) >= 2 and len(messages) % 2 == 0 and all(
+        # nanochat folds a system message into the first user message when it renders a conversation (model.py)
+        system = isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get(
+            "role") == "system"
+        turns = messages[1:] if system else messages
+        if not (isinstance(turns, list) and len(turns) >= 2 and len(turns) % 2 == 0 and all(
                 isinstance(m, dict) and m.get("role") == ("user", "assistant")[i % 2] and isinstance(
-                    m.get("content"), str) and m["content"].strip() for i, m in enumerate(messages))):
-            raise ValueError(f"{where}: messages must be {{\"role\", \"content\"}} objects with non-empty text, "
-                             "user and assistant in turn, the last the assistant's answer")
+                    m.get("content"), str) and m["content"].strip() for i, m in enumerate(turns))) or (
+                system and not isinstance(messages[0].get("content"), str)):
+            raise ValueError(f"{where}: messages must be {{\"role\", \"content\"}} objects with text: an optional "
+                             "system message, then user and assistant in turn, the last the assistant's answer")
         answer = messages[-1]["content"]
     else:
-        for field in ("question", "answer"):
-            if not isinstance(row.get(field), str) or not row[field].strip():
+        answer = row.get("answer")
+        if isinstance(answer, (int, decimal.Decimal)) and not isinstance(answer, bool):
+            answer = format(answer, "f") if isinstance(answer, decimal.Decimal) else str(answer)  # 1e3 -> "1000"
+        for field, value in (("question", row.get("question")), ("answer", answer)):
+            if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{where}: the field {field!r} is missing or empty (a line needs question and "
-                                 "answer, or messages)")
+                                 "answer, text or a number, or messages)")
         question = row["question"] + "".join(f"\n{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices))
-        answer = row["answer"]
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     if grader == "choice" and answer_letter(answer, choices) is None:
         raise ValueError(f"{where}: the answer {answer!r} is not the letter of one of its {len(choices)} choices "
@@ -167,7 +207,9 @@ class JSONLTask(Task):
     @classmethod
     def from_flags(cls, split, args, spec=None):
         spec = spec or args.task
-        return cls(spec, split, args.grader, args.task_test if spec == args.task else None, args.calculator)
+        if spec != args.task:  # a file only watched (--eval-task) is a quiz: all of it is its test split
+            return cls(spec, split, args.grader, spec, args.calculator)
+        return cls(spec, split, args.grader, args.task_test, args.calculator)
 
     @staticmethod
     def name(spec):

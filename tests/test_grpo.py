@@ -1380,17 +1380,22 @@ def test_sapo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_an
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_reward_terms_normalised_each_in_its_group_then_summed():
-    # two terms: "correct" spread 0 or 1, "format" spread 0.01 (weight 1 each); one group of 4 replies
-    parts = torch.tensor([[[1.0, 0.00, 0.0], [0.0, 0.01, 0.0], [1.0, 0.01, 0.0], [0.0, 0.00, 0.0]]])  # [P, G, K+1]
-    args = args_for("--advantage", "zscore", "--reward-combination", "normalize-then-sum")
+@pytest.mark.parametrize("advantage", ["zscore", "mean", "rloo"])
+def test_reward_terms_normalised_each_in_its_group_then_summed(advantage):
+    # GDPO z-scores each term in its group whatever --advantage says. Group 1: "correct" spread 0 or 1, "format"
+    # spread 0.01; group 2: a term in {0, 10} next to one in {0, 0.01} (weight 1 each; the penalty term all 0)
+    parts = torch.tensor([[[1.0, 0.00, 0.0], [0.0, 0.01, 0.0], [1.0, 0.01, 0.0], [0.0, 0.00, 0.0]],
+                          [[10., 0.01, 0.0], [10., 0.00, 0.0], [0.0, 0.01, 0.0], [0.0, 0.00, 0.0]]])  # [P, G, K+1]
+    args = args_for("--advantage", advantage, "--reward-combination", "normalize-then-sum")
     got = grpo.term_advantages(parts, [1.0, 1.0, 1.0], args)
-    z = lambda x: (x - x.mean()) / (x.std() + 1e-4)  # noqa: E731
-    summed = z(parts[0, :, 0]) + z(parts[0, :, 1])  # the penalty term is all 0: no advantage
-    torch.testing.assert_close(got[0], summed / (summed.std() + 1e-4))
-    # summed first, the small term is drowned: replies 0 and 2 (and 1 and 3) nearly tie
-    plain = grpo.group_advantages(parts[..., 0] + parts[..., 1], "zscore")[0]
-    assert abs(plain[0] - plain[2]) < 0.02 and abs(got[0, 0] - got[0, 2]) > 0.5
+    z = lambda x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-4)  # noqa: E731
+    summed = z(parts[..., 0]) + z(parts[..., 1])
+    torch.testing.assert_close(got, summed / (summed.std() + 1e-4))
+    # summed first, the small term is drowned: replies that differ in it alone nearly tie; normalised first, not
+    plain = grpo.group_advantages(parts[..., 0] + parts[..., 1], advantage)
+    assert abs(plain[0, 0] - plain[0, 2]) < 0.02 and abs(got[0, 0] - got[0, 2]) > 0.5
+    assert abs(plain[1, 0] - plain[1, 1]) < 0.02 * abs(plain[1, 0]) and abs(got[1, 0] - got[1, 1]) > 0.5
+    assert abs(got[1, 1]) < 0.02 and abs(got[1, 2]) < 0.02  # GDPO: [1.32, 0, 0, -1.32] but for the eps in the std
     # and through make_batch, from sample_groups' parts
     model, prompts, samples, rewards = batch_inputs(args)
     batch = grpo.make_batch(prompts, samples, rewards, args, reward_parts=torch.stack([rewards, 0 * rewards], -1))

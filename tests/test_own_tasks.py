@@ -16,6 +16,14 @@ from tasks.jsonl import JSONLTask, answer_letter, grade, read_letter, read_numbe
     ("#### 1,000", "1000", True), ("3.50", "#### 3.5", True), ("-2", "2", False), ("so it is 12.", "12", True),
     ("first 3 then 4", "4", True), ("#### 4\nor 5", "4", True),  # the #### answer wins over the last number
     ("no number at all", "7", False), ("", "7", False), ("#### $18.00", "18", True), ("2 + 2 = 4", "#### 4", True),
+    # rationals, compared exactly: a fraction is not its numerator
+    ("#### 1/3", "#### 1/2", False), ("#### 3/4", "#### 3/8", False), ("#### 0.5", "#### 1/2", True),
+    ("#### 6/16", "0.375", True), ("#### 3", "3/8", False), ("x = 1 / 2", "0.5", True), ("#### 1/0", "0", False),
+    # a minus is a sign only where a number starts; the Unicode minus and full-width digits read as ASCII
+    ("x = 10-5", "-5", False), ("x = 10-5", "5", True), ("10 - 5 = 5", "5", True), ("it is (-3)", "-3", True),
+    ("#### \u22124", "-4", True), ("#### \uff14\uff12", "42", True), ("#### \uff0d7", "-7", True),
+    # thousands separators only in groups of three; "%" ignored; a trailing full stop ends a sentence
+    ("#### 12,345,678", "12345678", True), ("#### 1,00", "100", False), ("50%", "50", True), ("it is 8.", "8", True),
 ])
 def test_the_number_grader(reply, answer, correct):
     assert grade("number", reply, answer, [])[0] is correct
@@ -32,12 +40,22 @@ CHOICES = ["red", "green", "blue"]
 
 
 @pytest.mark.parametrize("reply,letter", [
-    ("B", "B"), ("(B)", "B"), ("The answer is B.", "B"), ("answer: c", "C"), ("A good guess: B", "B"), ("B.", "B"),
+    ("B", "B"), ("(B)", "B"), ("The answer is B.", "B"), ("A good guess: B", "B"), ("B.", "B"),
     ("I think it is (C)", "C"), ("D", None), ("no idea", None), ("", None), ("the answer is D, or A", "A"),
+    # a lower-case letter, or "A" / "I" used as a word, never commits
+    ("answer: c", None), ("The answer is a tricky one; I pick (C).", "C"), ("A cat sat", None), ("I see", None),
+    ("**C**", "C"), ("Answer: **B**", "B"), ("The answer is B because it is green", "B"), ("blue", "C"),
+    ("(A) is wrong, so (B)", "B"), ("Green.", "B"),
 ])
 def test_the_choice_grader_reads_the_letter_a_reply_commits_to(reply, letter):
     assert read_letter(reply, CHOICES) == letter
     assert grade("choice", reply, "B", CHOICES) == (letter == "B", letter is not None)
+
+
+def test_with_nine_choices_the_word_i_is_not_a_letter():
+    nine = [str(n) for n in range(9)]
+    assert read_letter("I pick E", nine) == "E" and read_letter("I think so", nine) is None
+    assert read_letter("Answer: I", nine) == "I" and read_letter("(I)", nine) == "I"
 
 
 def test_a_choice_answer_is_a_letter_or_a_choice_text():
@@ -186,6 +204,52 @@ def test_a_bad_task_file_is_one_line_naming_the_file_and_line(name, rows, messag
     text = str(stop.value.code)
     assert text.startswith(f"error: {path}") and message in text and "\n" not in text
     assert not os.path.exists(tmp_path / "runs" / name / "metrics.jsonl")
+
+
+def test_files_as_people_write_them(tmp_path):
+    # numbers as JSON numbers, a byte-order mark (Windows editors), a system message (rendered as nanochat does:
+    # folded into the first user message)
+    rows = [{"question": "1/2 + 1/4 =", "answer": 0.75}, {"question": "2 + 2 =", "answer": 4},
+            {"question": "big", "answer": 1e3}, {"question": "exact", "answer": 7, "grader": "exact"},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 + 4?"},
+                          {"role": "assistant", "content": "#### 7"}]}]
+    path = tmp_path / "bom.jsonl"
+    lines = [json.dumps(r) for r in rows]
+    lines[2] = '{"question": "big", "answer": 1e3}'
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\n" for line in lines).encode())
+    task = JSONLTask(str(path), "train", test_path=str(path))
+    assert [p["answer"] for p in task.problems] == ["0.75", "4", "1000", "7", "#### 7"]
+    assert task.evaluate(task[0], "#### 3/4") and task.evaluate(task[2], "#### 1,000") and not task.evaluate(
+        task[1], "#### 4.5")
+    assert task.evaluate(task[3], " 7 ") and task.evaluate(task[4], "so #### 7")
+    from model import Tokenizer
+    tokenizer = Tokenizer.byte_level()
+    system = tokenizer.render_for_completion(task[4])
+    folded = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "Be brief.\n\n3 + 4?"}]})
+    assert system == folded
+
+
+@pytest.mark.parametrize("line,message", [
+    ("[" * 100_000 + "]" * 100_000, "line 2 nests brackets too deeply to read"),
+    ('{"question": "?", "answer": true}', "line 2: the field 'answer' is missing or empty"),
+    ('{"question": "?", "answer": NaN}', "line 2: the field 'answer' is missing or empty"),
+    ('{"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": "?"}]}',
+     "line 2: messages must be"),
+], ids=["nested-100000-deep", "boolean-answer", "nan-answer", "system-and-user-only"])
+def test_a_deeply_nested_or_odd_line_is_one_line_naming_the_file_and_line(line, message, tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"question": "1 + 1", "answer": 2}, line])
+    with pytest.raises(ValueError) as error:
+        JSONLTask(path, "train")
+    assert str(error.value).startswith(f"{path} {message}") and "\n" not in str(error.value)
+
+
+def test_a_watched_file_is_evaluated_whole(tmp_path, capsys):
+    quiz = write_jsonl(tmp_path / "quiz.jsonl", [{"question": f"{i} + 1 =", "answer": i + 1} for i in range(25)])
+    grpo.main(base_flags(tmp_path, "w", "--eval-task", quiz, "--num-steps", "1", "--eval-every", "1",
+                         "--eval-examples", "100", "--final-eval-examples", "100"))
+    evals = [m for m in map(json.loads, open(tmp_path / "runs" / "w" / "metrics.jsonl")) if "eval_reward" in m]
+    assert all(m["eval_quiz_examples"] == 25 for m in evals)  # all of it, not every 10th problem (3)
+    assert "watched: quiz, 25 problems (the whole file)" in capsys.readouterr().out
 
 
 def test_a_task_file_that_is_not_utf8_or_not_there(tmp_path):
