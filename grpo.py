@@ -273,11 +273,12 @@ PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28,
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
 # CISPO (MiniMax-M1): the importance weight clipped and detached, token-level mean, no KL; no lower bound in effect
-# (the paper sets none), the upper one as common implementations take it (Trinity-RFT: 0.28)
+# (the paper sets none), the weight capped at 1.28 as Trinity-RFT's default (TRL's cap is 5: docs/algorithm.md)
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
                         kl_coef=0.0)
-# SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 (the paper's), token-level mean, no KL
-PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", aggregation="token", kl_coef=0.0)
+# SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 and the per-reply mean (the paper's
+# 1/G sum_i 1/|o_i| sum_t, as GRPO's), no KL
+PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
 
 
 def as_flags(settings):

@@ -1374,8 +1374,9 @@ def test_sapos_gate_has_the_gradient_of_its_formula_and_is_the_policy_gradient_a
 
 def test_sapo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_and_advantages():
     (sapo,), _ = gradients(*sampled_batch(args := args_for("--algo", "sapo", "--ppo-epochs", "1")), args)
-    reinforce_args = args_for("--algo", "reinforce", "--aggregation", "token", "--advantage", "zscore")
+    reinforce_args = args_for("--algo", "reinforce", "--aggregation", "sequence", "--advantage", "zscore")
     (reinforce,), _ = gradients(*sampled_batch(reinforce_args), reinforce_args)
+    assert args.aggregation == "sequence"  # the paper's per-reply mean
     for a, b in zip(sapo, reinforce):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
