@@ -9,7 +9,8 @@ GPU benchmark: rollouts and training steps of nanochat-shaped models, next to th
 
 Each row is printed as soon as it is measured, so a run cut short by a time limit keeps what it measured.
 
-For each shape (random weights, nanochat's newest GPT generation by default):
+For each shape (random weights, nanochat's newest GPT generation by default), first grpo.py's start-up self-check
+(the fast paths' log-probs and gradient against the plain float32 path, eager and compiled), then:
 (a) rollouts: --prompts x --samples replies of --new-tokens tokens, in one generate() call per decode mode
     (graph+compile: the decode step compiled and captured as a CUDA graph, grpo.py's default on CUDA; graph: the
     same, not compiled; static: the same shapes, eager; dynamic: finished rows leave, the CPU's default), and one
@@ -29,12 +30,14 @@ import copy
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
+from tasks.sort import Sort  # noqa: E402
 
 SHAPES = {  # nanochat's depth-d models: width 64 * d, heads of 128 channels
     "d12": dict(n_layer=12, n_embd=768, n_head=6, n_kv_head=6),
@@ -106,6 +109,26 @@ def random_model(shape):
         stop_and_tools = [tokenizer.assistant_end, tokenizer.bos, tokenizer.python_start, tokenizer.python_end]
         model.lm_head.weight[stop_and_tools] = 0  # logit 0: never in the top 50, so never sampled
     return model
+
+
+def fast_path_check(model):
+    """grpo.py's start-up self-check on this shape, before any timing: the fast paths (packed passes with flash
+    attention, compiled on CUDA; the captured decode) against the plain float32 path, on sort prompts. Prints its
+    line, or the error line that would stop a run."""
+    for compiled in ((False, True) if cuda else (False,)):
+        check = grpo.resolve_config(["--task", "sort", "--algo", "grpo", "--device", device.type, "--max-new-tokens",
+                                     "16", "--compile" if compiled else "--no-compile"])
+        task = Sort("train")
+        static = (8, task.longest_prompt(tokenizer) + 15) if compiled else None  # as a run's: rows, longest row
+        run = SimpleNamespace(model=model, tokenizer=tokenizer, train_task=task, autocast=autocast, device=device,
+                              static_pack=static, log=lambda line: print("  " + line))
+        try:
+            grpo.self_check(check, run)
+        except SystemExit as stop:
+            print(f"  {stop.code}")
+        except Exception as e:  # a crash in a fast path is a finding too: the timings go on
+            print(f"  self-check {'compiled' if compiled else 'eager'} crashed: {type(e).__name__}: {e}")
+        model.use_compile = False
 
 
 def rollouts(model, prompts, decode="auto", new_tokens=None):
@@ -214,6 +237,7 @@ for shape in args.shapes.split(","):
     model = random_model(shape).eval()
     params = sum(p.numel() for p in model.parameters())
     print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
+    fast_path_check(model)
     if args.part in ("all", "eager", "compiled"):
         for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
             if args.part != "all" and compiled != (args.part == "compiled"):
