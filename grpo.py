@@ -970,7 +970,9 @@ def resolve_config(argv=None):
         if not args.pack and args.device_batch_size is None:
             args.device_batch_size = 8
     if args.run_name is None:
-        args.run_name = f"{'demo' if args.demo else args.task}-{args.algo}-seed{args.seed}"
+        task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
+        prefix = "demo" if args.demo and task == "sort" else f"demo-{task}" if args.demo else task
+        args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
     check_config(args)
     return args
 

@@ -286,6 +286,33 @@ def max_of_three(n, seed=0):
             for d in ([rng.randrange(10) for _ in range(3)] for _ in range(n))]
 
 
+def readme_own_task_commands():
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = text[text.index("## Your own task"):text.index("## The algorithm")]
+    return [line.split("#")[0].split()[2:] for line in section.splitlines() if line.startswith("python grpo.py")]
+
+
+def test_the_readmes_own_task_commands_work_where_the_reader_is(tmp_path, monkeypatch, capsys):
+    # from a nanochat checkpoint (the newest chat one under $NANOCHAT_BASE_DIR) and from scratch on the CPU (--demo),
+    # shortened; each in its own run folder named after the task, apart from the demo's own runs
+    from test_generations import FIXTURES
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "problems.jsonl", max_of_three(60))
+    checkpoint, scratch = readme_own_task_commands()
+    assert "--demo" in scratch and "--demo" not in checkpoint and "--init" not in checkpoint
+    short = ["--num-steps", "2", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
+             "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4", "--save-every", "0",
+             "--eval-max-new-tokens", "6"]
+    grpo.main(scratch + short)
+    assert os.path.isfile(tmp_path / "runs" / "demo-problems-grpo-seed0" / "metrics.jsonl")
+    base = os.path.join(FIXTURES, "smear-backout", "base")
+    if not os.path.isdir(base):
+        pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
+    grpo.main(checkpoint + short + ["--pass-k", "0"])
+    assert os.path.isfile(tmp_path / "runs" / "problems-reinforce-seed0" / "metrics.jsonl")
+
+
 def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
     # The shortened check of docs/tasks.md's measurement (held-out accuracy 0 -> 0.84-0.92 in 300 steps, 3 seeds):
     # the demo's tiny model learns to answer from the file alone. With 8x the demo's learning rate, 30 steps:
