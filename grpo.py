@@ -1361,6 +1361,7 @@ def start_run(args, run_dir, rank, writes):
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
                           metrics_path=os.path.join(run_dir, "metrics.jsonl"),
                           samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
+                          signal_less_steps=0,
                           writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
@@ -1786,13 +1787,15 @@ SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "
 
 def log_samples(args, run, step, groups, batch):
     """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
-    reply side by side, groups whose rewards differ first (they are the ones the update learns from)."""
+    reply side by side (one reply of a group whose rewards are equal), groups whose rewards differ first (they are
+    the ones the update learns from)."""
     if not (run.master and run.writes and args.log_samples):
         return
     G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
     equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
     order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
-    rows = [g * G + int(pick(rewards[g])) for g in order for pick in (torch.argmax, torch.argmin)][:args.log_samples]
+    rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
+            for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
     table = []
     for row in rows:
         index = int(groups["indices"][row // G])
@@ -1805,6 +1808,7 @@ def log_samples(args, run, step, groups, batch):
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
 
+SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
 # One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
 # stay within a few percent per step (see README, "When things go wrong"); a step size that is orders of magnitude off
 # multiplies the norm by far more.
@@ -1859,6 +1863,14 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
               f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
               f"| {metrics['tokens_per_s']:.0f} tok/s")
+    # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
+    run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 else 0
+    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
+        run.signal_less_steps = math.inf
+        run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
+                f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
+                "from. What usually helps: an easier task or a curriculum, more replies a question (--num-samples), a "
+                "warmer --temperature, or a start checkpoint that already solves some problems")
     run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
     if stats["skipped_updates"]:
         run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")

@@ -172,3 +172,15 @@ def test_prompts_render_as_nanochat_renders_them(generation):
         ids = reference[key]
         text = tokenizer.decode(ids[2:-2])  # between <|bos|> <|user_start|> and <|user_end|> <|assistant_start|>
         assert tokenizer.render_for_completion({"messages": [{"role": "user", "content": text}]}) == ids, key
+
+
+def test_twenty_steps_without_signal_warn_once_and_an_equal_groups_reply_is_logged_once(tmp_path, capsys):
+    # every reward 0: every group's replies equal, no update has anything to learn from
+    grpo.main(["--demo", "--reward-weights", "reward=0", "--num-steps", "24", "--prompts-per-step", "4",
+               "--num-samples", "4", "--max-new-tokens", "4", "--eval-every", "0", "--save-every", "0",
+               "--log-samples", "4", "--runs-dir", str(tmp_path), "--run-name", "flat"])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "no update had anything to learn" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: steps 1-20: in every group all replies got the "
+                                                         "same reward (equal groups 1.00, mean reward 0.000)")
+    rows = [json.loads(line) for line in open(tmp_path / "flat" / "samples.jsonl")]
+    assert len(rows) == 24 * 4 and len({(r["step"], r["index"]) for r in rows}) == len(rows)  # 4 groups, one each
