@@ -224,6 +224,9 @@ arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit i
 arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
 arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay")
+arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
+    "SIGTERM) during the steps saves a checkpoint at the end of the step under way, then stops; a second one stops "
+    "at once")
 arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/compare.png) of these runs, exit")
@@ -828,6 +831,7 @@ def train(args, run):
 # =============================================================================
 
 def main(argv=None):
+    STOP.update(signal=None, at_step_end=False)
     args = resolve_config(argv)
     if args.compare:
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
@@ -841,9 +845,11 @@ def main(argv=None):
                 result = run_eval(args, run, run.start_step, args.final_eval_examples)
                 leave_process_group()
                 return result
+            STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way, saved
             if run.start_step == 0 and args.eval_every:
                 run_eval(args, run, 0, args.eval_examples)
             train(args, run)
+            STOP["at_step_end"] = False
             run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
                     f"metrics in {run.metrics_path}")
             if run.master:  # the summary: this run as a one-row comparison table, and its curves
@@ -906,19 +912,36 @@ def out_of_memory(args, world_size, trace):
 OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 
 
+# A stop signal during the steps (--save-on-stop): its name, noted by stop_at_step_end; end_of_step then saves the
+# step under way and stops.
+STOP = {"signal": None, "at_step_end": False}
+
+
 @contextmanager
 def stop_signals():
     """Ctrl-C, SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run with the one-line stop; one that
-    arrives while a file is written waits until the file is whole (model.writing)."""
+    arrives while a file is written waits until the file is whole (model.writing). During the steps, with
+    --save-on-stop, the first one lets the step under way finish and be saved (stop_at_step_end)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_at_step_end(signum, frame):
+    """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
+    then stops); a second one, or one outside the steps, stops at once (after a write under way)."""
+    if not STOP["at_step_end"] or STOP["signal"]:
+        return stop_signal(signum, frame)
+    STOP["signal"] = signal.Signals(signum).name
+    if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
+        os.write(2, f"{STOP['signal']}: the step under way finishes and is saved, then the run stops (a second "
+                    f"signal stops it at once)\n".encode())
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
@@ -1887,11 +1910,21 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     last = step + 1 == args.num_steps
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
         run_eval(args, run, step + 1, args.final_eval_examples if last else args.eval_examples)
-    if not run.bad_steps and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+    due = (args.save_every and (step + 1) % args.save_every == 0) or last
+    stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
+    if not run.bad_steps and (due or stopping):
         optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
         if run.master:
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
+        stopping = stopping or (STOP["at_step_end"] and stop_requested(run))  # one that came during the save
+    if stopping and not last:
+        raise KeyboardInterrupt(f"{STOP['signal'] or 'a stop signal on another rank'} at the end of step {step + 1}")
+
+
+def stop_requested(run):
+    """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
+    return all_reduce(torch.tensor(float(STOP["signal"] is not None)), dist.ReduceOp.MAX).item() > 0
 
 
 def complete_steps(checkpoint_dir):
@@ -1922,7 +1955,7 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 # the training RNG).
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
                   "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task",
-                  "self_check")
+                  "self_check", "save_on_stop")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
@@ -1933,7 +1966,7 @@ SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_si
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
-         "decode": "auto", "self_check": None}
+         "decode": "auto", "self_check": None, "save_on_stop": False}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)

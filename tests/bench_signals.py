@@ -42,7 +42,7 @@ def stopped(argv, run_dir, wait_until):
         code = process.wait(timeout=120)
     text = open(os.path.join(work, "stderr.txt")).read()
     last = text.strip().splitlines()[-1] if text.strip() else ""
-    ok = code == 1 and "Traceback" not in text and last.startswith("error: stopped by SIGTERM. ")
+    ok = code == 1 and "Traceback" not in text and last.startswith("error: stopped by SIGTERM")
     return ok, last
 
 

@@ -88,7 +88,10 @@ def test_scheduler_signals_stop_with_the_one_line_message(tmp_path):
     for sig, log in zip(signals, logs):
         err = log.read_text().strip()
         assert "Traceback" not in err
-        assert err.splitlines()[-1].startswith(f"error: stopped by {sig.name}. The run's newest checkpoint, step "), err
+        # the step under way finished and was saved (--save-on-stop): the stop line names that checkpoint
+        stopped = re.match(rf"error: stopped by {sig.name} at the end of step (\d+)\. The run's newest checkpoint, "
+                           r"step (\d+) in ", err.splitlines()[-1])
+        assert stopped and stopped[1] == stopped[2], err
         assert err.splitlines()[-1].endswith("go on from it with --resume")
 
 
@@ -174,7 +177,7 @@ def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_pa
         with pytest.raises(SystemExit) as exit_info:
             grpo.main(argv)
     message = exit_info.value.code  # a string: the process exits with status 1 and this line on stderr
-    assert isinstance(message, str) and "\n" not in message and message.startswith(f"error: stopped by {sig.name}. ")
+    assert isinstance(message, str) and "\n" not in message and message.startswith(f"error: stopped by {sig.name}")
     assert not glob.glob(str(tmp_path / "runs" / "**" / ".tmp_*"), recursive=True)  # nothing half-written
     named = re.search(r"newest checkpoint, step (\d+) in (\S+), is complete", message)
     if named is None:  # stopped before its first step: as the message says, the same command again
@@ -188,6 +191,44 @@ def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_pa
         grpo.main(argv + ["--resume"])
     for k, v in final_weights(tmp_path / "runs" / "signalled", 3).items():
         assert torch.equal(v, straight_run[k]), k
+
+
+def signals_in_update(monkeypatch, at_update, count=1, sig=signal.SIGINT):
+    """Send this process `count` signals during the `at_update`-th policy update (as Ctrl-C pressed mid-step)."""
+    update, calls = grpo.policy_update, []
+
+    def signalled_update(*a, **k):
+        calls.append(1)
+        if len(calls) == at_update:
+            for _ in range(count):
+                os.kill(os.getpid(), sig)
+        return update(*a, **k)
+    monkeypatch.setattr(grpo, "policy_update", signalled_update)
+
+
+@pytest.mark.parametrize("save_every", ["2", "0"], ids=["scheduled-saves", "before-any-save"])
+def test_ctrl_c_saves_the_step_under_way_and_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, straight_run,
+                                                                                  save_every):
+    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--save-every", save_every,
+                 name="stopped")
+    with monkeypatch.context() as patched:
+        signals_in_update(patched, at_update=2)
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(argv)
+    assert re.match(r"error: stopped by SIGINT at the end of step 2\. The run's newest checkpoint, step 2 in \S+, is "
+                    r"complete and unchanged: go on from it with --resume$", stop.value.code), stop.value.code
+    grpo.main(argv + ["--resume"])
+    for k, v in final_weights(tmp_path / "runs" / "stopped", 3).items():
+        assert torch.equal(v, straight_run[k]), k
+
+
+def test_a_second_signal_or_no_save_on_stop_stops_at_once(tmp_path, monkeypatch):
+    for name, count, extra in (("twice", 2, []), ("no-save", 1, ["--no-save-on-stop"])):
+        with monkeypatch.context() as patched:
+            signals_in_update(patched, at_update=2, count=count)
+            with pytest.raises(SystemExit) as stop:
+                grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", *extra, name=name))
+        assert stop.value.code.startswith("error: stopped by SIGINT. No checkpoint of this run was saved"), name
 
 
 def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
