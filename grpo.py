@@ -45,6 +45,7 @@ import pickle
 import random
 import re
 import resource
+import shutil
 import signal
 import sys
 import textwrap
@@ -836,6 +837,9 @@ def main(argv=None):
     if args.compare:
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
     run_dir = os.path.join(args.runs_dir, args.run_name)
+    if args.resume and not os.path.isfile(os.path.join(run_dir, "config.json")):  # before any folder is made
+        sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
+                 "--runs-dir and --run-name, or drop --resume to start one)")
     rank = int(os.environ.get("RANK", "0"))
     writes = args.resume or not args.eval_only  # evaluating a checkpoint writes no run folder
     try:
@@ -948,6 +952,20 @@ def stop_at_step_end(signum, frame):
 MIN_TEMPERATURE = 0.1
 
 
+# Flags that act only with others: given explicitly where they do nothing, a note at start says so (a flag that
+# is silently idle looks like a setting that was tried).
+IDLE_FLAGS = [
+    ("kl_placement", lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)"),
+    ("kl_estimator", lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)"),
+    ("ref_dtype", lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)"),
+    ("ref_offload", lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)"),
+    ("sapo_tau_pos", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
+    ("sapo_tau_neg", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
+    ("pass_size", lambda a: a.aggregation != "nanochat", "it is --aggregation nanochat's"),
+    ("reward_combination", lambda a: len(a.reward_weights or ()) < 2, "one reward term (--reward-weights)"),
+]
+
+
 def resolve_config(argv=None):
     """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -980,6 +998,10 @@ def resolve_config(argv=None):
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     args.eval_task = args.eval_task or []
+    given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
+             if word == flag or word.startswith(flag + "=")}
+    args.notes = [f"--{dest.replace('_', '-')} does nothing here: {why}" for dest, idle, why in IDLE_FLAGS
+                  if dest in given and idle(args)]
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
@@ -1308,26 +1330,28 @@ def start_run(args, run_dir, rank, writes):
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     torch.manual_seed(args.seed)
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only")}
-    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
-    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
-
-    try:
+    try:  # what can fail on bad input, before the configuration is printed: the tasks' data, the start checkpoint
         train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
-    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
-        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
-                                                                   " (its test split)"))
+    start_checkpoint_dir(args)
     if args.num_steps is None:  # the task's default needed its data: one epoch
-        args.num_steps = config["num_steps"] = max(1, len(train_task) // args.prompts_per_step)
+        args.num_steps = max(1, len(train_task) // args.prompts_per_step)
         if args.warmup_steps >= args.num_steps:
             parser.error(f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (one epoch of "
                          f"{args.task}: {args.num_steps} steps)")
     if args.prompts_per_step > len(train_task):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only", "notes")}
+    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
+    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+    for note in args.notes:
+        log(f"note: {note}")
+    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
+        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
+                                                                   " (its test split)"))
     longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
     for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
         config[k] = getattr(args, k)  # the run folder says what ran
@@ -1485,13 +1509,7 @@ def load_policy(args, log, shapes_only=False):
             with torch.device("meta"):
                 return GPT(config), tokenizer, f"d{args.depth}"
         return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
-    if args.init == "sft":
-        try:
-            checkpoint_dir = find_checkpoint(tag=args.model_tag)
-        except FileNotFoundError as e:
-            sys.exit(f"error: {e}.\nTrain a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
-    else:
-        checkpoint_dir = args.init
+    checkpoint_dir = start_checkpoint_dir(args)
     try:
         model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
                                    window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
@@ -1499,6 +1517,21 @@ def load_policy(args, log, shapes_only=False):
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
+
+
+def start_checkpoint_dir(args):
+    """--init sft | <checkpoint dir> -> the folder to start from (None for scratch); one error line if there is none."""
+    if args.init == "scratch":
+        return None
+    if args.init != "sft":
+        if not checkpoint_steps(args.init):
+            sys.exit(f"error: --init: no model_<step>.pt files in {os.path.abspath(args.init)}: name a nanochat "
+                     "checkpoint folder (e.g. <base>/chatsft_checkpoints/d20), or use --init sft")
+        return args.init
+    try:
+        return find_checkpoint(tag=args.model_tag)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}; train a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
 
 
 def tokenizer_path(checkpoint_dir):
@@ -1739,6 +1772,7 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 def lock_run_dir(run_dir):
     """One process trains in a run directory at a time: two copies of a command would interleave their writes.
     The kernel drops a flock when its process dies, so the lock of a killed run never blocks the next start."""
+    created = not os.path.exists(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
         lock = open(os.path.join(run_dir, ".lock"), "a")
@@ -1752,7 +1786,11 @@ def lock_run_dir(run_dir):
                      "--run-name")
         except OSError as e:  # a file system without locks (some network mounts): train anyway, and say so
             print(f"warning: cannot lock {run_dir} ({e.strerror}): nothing keeps a second process out of this run")
-        yield
+        try:
+            yield
+        finally:  # a start that failed before writing anything (a bad flag value, a missing run): no folder left
+            if created and os.listdir(run_dir) == [".lock"]:
+                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def stop_run(run_dir, problem, remedy):

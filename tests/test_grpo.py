@@ -781,6 +781,7 @@ def test_a_run_stopped_out_of_memory_resumes_with_the_smaller_chunks_its_stop_li
 def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint"):
         grpo.main(run_flags(tmp_path, "nothing", "--resume"))
+    assert not os.path.exists(tmp_path / "nothing")  # a resume of a run that never was creates nothing
     grpo.main(run_flags(tmp_path, "r", "--num-steps", "1"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

@@ -197,13 +197,14 @@ BAD_FILES = [
 
 
 @pytest.mark.parametrize("name,rows,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
-def test_a_bad_task_file_is_one_line_naming_the_file_and_line(name, rows, message, tmp_path):
+def test_a_bad_task_file_is_one_line_naming_the_file_and_line(name, rows, message, tmp_path, capsys):
     path = write_jsonl(tmp_path / f"{name}.jsonl", rows)
     with pytest.raises(SystemExit) as stop:
         grpo.main(base_flags(tmp_path, name, "--task", path))
     text = str(stop.value.code)
     assert text.startswith(f"error: {path}") and message in text and "\n" not in text
-    assert not os.path.exists(tmp_path / "runs" / name / "metrics.jsonl")
+    assert not os.path.exists(tmp_path / "runs" / name)  # a failed start leaves no folder behind
+    assert "configuration:" not in capsys.readouterr().out  # the error is not buried under the configuration
 
 
 def test_files_as_people_write_them(tmp_path):
@@ -324,3 +325,11 @@ def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
     evals = [json.loads(line) for line in open(tmp_path / "runs" / "max3" / "metrics.jsonl")]
     evals = [m["eval_correct"] for m in evals if "eval_correct" in m]
     assert evals[0] < 0.2 and evals[-1] >= 0.3, evals
+
+
+def test_a_flag_that_does_nothing_under_the_settings_gets_a_note(tmp_path, capsys):
+    grpo.main(base_flags(tmp_path, "idle", "--algo", "reinforce", "--kl-placement", "reward", "--num-steps", "1",
+                         "--eval-every", "0"))
+    out = capsys.readouterr().out
+    assert "note: --kl-placement does nothing here: the KL's weight is 0 (--kl-coef)" in out
+    assert grpo.resolve_config(["--demo", "--algo", "grpo", "--kl-placement", "reward"]).notes == []
