@@ -837,7 +837,7 @@ def main(argv=None):
     if args.compare:
         return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
     run_dir = os.path.join(args.runs_dir, args.run_name)
-    if args.resume and not os.path.isfile(os.path.join(run_dir, "config.json")):  # before any folder is made
+    if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = int(os.environ.get("RANK", "0"))
