@@ -230,7 +230,9 @@ arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help=
     "at once")
 arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
-arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot (<runs-dir>/compare.png) of these runs, exit")
+arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
+    "in the runs' common folder, or --compare-out)")
+arg("--compare-out", default=None, metavar="PNG", help="--compare: where the plot goes")
 arg = parser.add_argument_group("devices and processes").add_argument
 arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
 arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
@@ -835,7 +837,8 @@ def main(argv=None):
     STOP.update(signal=None, at_step_end=False)
     args = resolve_config(argv)
     if args.compare:
-        return compare_runs(args.compare, os.path.join(args.runs_dir, "compare.png"))
+        beside = os.path.commonpath([os.path.dirname(os.path.abspath(d)) for d in args.compare])  # the runs' folder
+        return compare_runs(args.compare, args.compare_out or os.path.join(beside, "compare.png"))
     run_dir = os.path.join(args.runs_dir, args.run_name)
     if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
@@ -1344,7 +1347,8 @@ def start_run(args, run_dir, rank, writes):
     if args.prompts_per_step > len(train_task):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "wandb", "compare", "eval_only", "notes")}
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "notes")}
     config.update(world_size=world_size, semantics=sorted(SEMANTICS))
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
     for note in args.notes:
@@ -2533,8 +2537,8 @@ def leave_process_group():
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
-COMPARE_HEADER = ["run", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval", "eval",
-                  "best eval", "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
+COMPARE_HEADER = ["run", "task", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
+                  "eval", "best eval", "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
 
 
 def eval_score_key(config, watched=""):
@@ -2580,14 +2584,19 @@ def compare_runs(run_dirs, plot_path):
     table = [COMPARE_HEADER + watched]  # a watched task's column: its eval score at the end
     for name, seeds in zip(names, configurations.values()):
         per_seed = [run_summary(config, metrics, watched) for _, config, metrics in seeds]
-        table.append([name, seeds[0][1]["algo"], seeds[0][1].get("advantage"), len(seeds)]
+        table.append([name, task_name(seeds[0][1]["task"]), seeds[0][1]["algo"], seeds[0][1].get("advantage"),
+                      len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
-    print("first eval / eval = at the start / end of the run: greedy held-out mean reward (sort) or strict GSM8K "
-          "accuracy; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
+    scores = {task_name(seeds[0][1]["task"]): eval_score_key(seeds[0][1]) for seeds in configurations.values()}
+    print("first eval / eval = at the start / end of the run, greedy on held-out problems: "
+          + ", ".join(f"{task} {key}" for task, key in scores.items())
+          + "; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))
+    if len(scores) > 1:
+        print(f"note: these runs trained on {len(scores)} tasks ({', '.join(scores)}): their scores do not compare")
     plot_runs(names, list(configurations.values()), plot_path)
     return table
 

@@ -1011,7 +1011,7 @@ def test_demo_learns_from_random_weights(tmp_path, capsys):
     evals = [m for m in map(json.loads, open(tmp_path / "learn" / "metrics.jsonl")) if "eval_reward" in m]
     assert [m["step"] for m in evals] == [0, 40]
     assert evals[1]["eval_reward"] > evals[0]["eval_reward"] + 0.1, evals
-    assert any(line.split()[:5] == ["learn", "grpo", "zscore", "1", "40"] for line in out.splitlines())  # the end-of-run summary
+    assert any(line.split()[:6] == ["learn", "sort", "grpo", "zscore", "1", "40"] for line in out.splitlines())  # the end-of-run summary
     assert os.path.isfile(tmp_path / "learn" / "curves.png") or "no plot: matplotlib is not installed" in out
 
 
@@ -1036,7 +1036,8 @@ def test_eval_only_and_compare(tmp_path, capsys):
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert [row[:5] for row in table[1:]] == [["a", "reinforce", "mean", 1, 2], ["b", "grpo", "zscore", 1, 2]]
+    assert [row[:6] for row in table[1:]] == [["a", "sort", "reinforce", "mean", 1, 2], ["b", "sort", "grpo", "zscore",
+                                                                                       1, 2]]
     assert "reinforce" in out and "grpo" in out
     with pytest.raises(SystemExit, match="not a finished run"):
         grpo.main(["--compare", str(tmp_path / "missing")])
@@ -1053,7 +1054,8 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
     table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1"), str(other / "cfg-seed0"),
                        "--runs-dir", str(tmp_path)])
     rows = {row[0]: row for row in table[1:]}
-    assert set(rows) == {"cfg", "cfg-seed0"} and rows["cfg"][3] == 2 and rows["cfg-seed0"][3] == 1
+    seeds = table[0].index("seeds")
+    assert set(rows) == {"cfg", "cfg-seed0"} and rows["cfg"][seeds] == 2 and rows["cfg-seed0"][seeds] == 1
     header = table[0]
     rewards = [json.loads(line)["reward"] for name in ("cfg-seed0", "cfg-seed1")
                for line in open(tmp_path / name / "metrics.jsonl") if '"reward"' in line]
@@ -1066,7 +1068,7 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
     assert sorted(row[0] for row in table[1:]) == sorted([os.path.join(tmp_path.name, "cfg-seed0"), "other/cfg-seed0"])
     # and a seed of a configuration under another folder name joins it
     table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
-    assert [row[3] for row in table[1:]] == [2]
+    assert [row[table[0].index("seeds")] for row in table[1:]] == [2]
 
 
 def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):

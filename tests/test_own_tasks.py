@@ -161,6 +161,23 @@ def test_a_jsonl_task_and_a_python_task_train_and_a_watched_task_is_logged_and_c
     table = grpo.compare_runs([str(tmp_path / "runs" / "mc"), str(tmp_path / "runs" / "py")], str(tmp_path / "c.png"))
     assert table[0][-2:] == ["sort", "largest"] and table[1][-2] is not None and table[2][-1] is not None
     assert table[1][-1] is None and table[2][-2] is None  # each run watched one of the two
+    assert [row[table[0].index("task")] for row in table[1:]] == ["largest", "reverse"]
+
+
+def test_compare_plots_beside_the_runs_or_where_asked_and_says_when_tasks_differ(tmp_path, monkeypatch, capsys):
+    mc = write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40))
+    grpo.main(base_flags(tmp_path, "mc", "--task", mc, "--grader", "choice", "--num-steps", "1", "--eval-every", "1"))
+    grpo.main(base_flags(tmp_path, "sorting", "--num-steps", "1", "--eval-every", "1"))
+    plots = []
+    monkeypatch.setattr(grpo, "plot_runs", lambda names, runs, path: plots.append(path))
+    capsys.readouterr()
+    runs = [str(tmp_path / "runs" / "mc"), str(tmp_path / "runs" / "sorting")]
+    table = grpo.main(["--compare", *runs])
+    grpo.main(["--compare", *runs, "--compare-out", str(tmp_path / "mine.png")])
+    assert plots == [str(tmp_path / "runs" / "compare.png"), str(tmp_path / "mine.png")]  # not ./runs/compare.png
+    assert [row[1] for row in table[1:]] == ["largest", "sort"]
+    out = capsys.readouterr().out
+    assert "largest eval_correct, sort eval_reward" in out and "trained on 2 tasks (largest, sort)" in out
 
 
 def test_a_resumed_run_refuses_a_changed_task_file_or_task_code(tmp_path, run_killed_after_first_save):
