@@ -192,8 +192,9 @@ arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer m
 arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl file of problems, or your own task "
     "class as module:Class or path/to/file.py:Class (docs/tasks.md)")
 arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)")
-arg("--grader", default="number", choices=GRADERS, help="--task FILE.jsonl: how a reply is graded, where a line "
-    "names no grader: the number after ####, else the last; the whole reply; the letter of a choice")
+arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
+    "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
+    "as path/to/file.py:fn, fn(question, reply, answer) -> a number or (correct, format)")
 arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
     help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K")
 arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
@@ -966,6 +967,8 @@ IDLE_FLAGS = [
     ("sapo_tau_neg", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
     ("pass_size", lambda a: a.aggregation != "nanochat", "it is --aggregation nanochat's"),
     ("reward_combination", lambda a: len(a.reward_weights or ()) < 2, "one reward term (--reward-weights)"),
+    ("grader", lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
+     "it grades .jsonl tasks"),
 ]
 
 
@@ -1031,6 +1034,8 @@ def check_config(args):
     lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
     problems = [
         (args.top_k < 0, "--top-k must be >= 0"),
+        (args.grader not in GRADERS and ":" not in args.grader, f"--grader {args.grader!r} is none of "
+         f"{', '.join(GRADERS)}, nor a function as path/to/file.py:fn"),
         (args.prompts_per_step % world_size,
          f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
         (args.num_samples < 2,
@@ -1396,7 +1401,8 @@ def start_run(args, run_dir, rank, writes):
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
-    for spec in [args.task] + args.eval_task:  # a Python task's code, recorded and checked like the data
+    own_grader = [args.grader] if args.grader not in GRADERS else []
+    for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
         code = code_fingerprint(spec)
         if code:
             config.setdefault("task_code", {})[spec] = code

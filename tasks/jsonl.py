@@ -18,6 +18,8 @@ Graders, each reading the reply's answer and comparing it with the line's answer
   of one choice). A reply commits by "Answer: B" / "the answer is B", "(B)", "**B**", the text of one choice as the
   whole reply, or else its last capital letter standing alone; "A" and "I" followed by a word are words, not
   letters, and a lower-case letter never counts.
+--grader path/to/file.py:fn (or module:fn) grades every line that names no grader with your function,
+fn(question, reply, answer) -> a number or (correct, format); imported only when a run names it.
 Train and test: --task-test names a test file; without it every 10th problem of the file (lines 1, 11, 21, ...
 counting problems, not blank lines) is held out for the evals. A file only watched (--eval-task) is evaluated whole.
 """
@@ -28,7 +30,7 @@ import re
 import unicodedata
 from fractions import Fraction
 
-from tasks import Task, file_sha256
+from tasks import Task, file_sha256, import_task_module
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
@@ -111,6 +113,24 @@ def grade(grader, reply, answer, choices):
     return reply.strip().casefold() == answer.strip().casefold(), len(reply.strip().splitlines()) == 1
 
 
+def grader_function(spec):
+    """--grader path/to/file.py:fn or module:fn -> the function, imported when a run names it (never from a line of
+    the file: the file is data)."""
+    module, _, name = spec.rpartition(":")
+    fn = getattr(import_task_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"--grader {spec}: {module} has no function {name}(question, reply, answer)")
+    return fn
+
+
+def own_grade(fn, conversation, reply):
+    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format)."""
+    question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
+    result = fn(question, reply, conversation["answer"])
+    correct, form = result if isinstance(result, (tuple, list)) else (result, 0.0)
+    return float(correct), float(form)
+
+
 def read_problems(path, grader):
     """path -> [conversation with its answer, choices and grader], every line checked: one ValueError naming the
     file, the line and what to do for the first bad one."""
@@ -147,7 +167,7 @@ def problem(row, where, default_grader):
     if not isinstance(row, dict):
         raise ValueError(f"{where} is not a JSON object: write {{\"question\": ..., \"answer\": ...}}")
     grader = row.get("grader", default_grader)
-    if grader not in GRADERS:
+    if grader not in GRADERS and (grader != default_grader or ":" not in grader):  # a line never names code
         raise ValueError(f"{where}: grader {grader!r} is not one of {', '.join(GRADERS)}")
     choices = row.get("choices", [])
     if not isinstance(choices, list) or not all(isinstance(c, str) and c.strip() for c in choices) or len(
@@ -192,6 +212,7 @@ class JSONLTask(Task):
     def __init__(self, path, split="train", grader="number", test_path=None, tool=False):
         if split not in ("train", "test"):
             raise ValueError(f"a task's split is train or test, got {split!r}")
+        self.own_grader = None if grader in GRADERS else grader_function(grader)
         self.paths = [path] + ([test_path] if test_path else [])
         problems = read_problems(path if split == "train" or not test_path else test_path, grader)
         if not test_path:
@@ -224,15 +245,21 @@ class JSONLTask(Task):
     def example(self, index):
         return self.problems[index]
 
+    def graded(self, conversation, reply_text):
+        """-> (correct, format) by the line's grader, or by --grader's function."""
+        if conversation["grader"] in GRADERS:
+            return grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])
+        return own_grade(self.own_grader, conversation, reply_text)
+
     def evaluate(self, conversation, reply_text):
-        return grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])[0]
+        return self.graded(conversation, reply_text)[0] >= 1
 
     def reward(self, conversation, reply_text):
-        return float(self.evaluate(conversation, reply_text))
+        return float(self.graded(conversation, reply_text)[0])
 
     def reward_parts(self, conversation, reply_text):
-        correct, form = grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])
+        correct, form = self.graded(conversation, reply_text)
         return {"correct": float(correct), "format": float(form)}
 
     def eval_metrics(self, conversation, reply_text):
-        return {"correct": float(self.evaluate(conversation, reply_text))}
+        return {"correct": float(self.graded(conversation, reply_text)[0])}

@@ -350,3 +350,36 @@ def test_a_flag_that_does_nothing_under_the_settings_gets_a_note(tmp_path, capsy
     out = capsys.readouterr().out
     assert "note: --kl-placement does nothing here: the KL's weight is 0 (--kl-coef)" in out
     assert grpo.resolve_config(["--demo", "--algo", "grpo", "--kl-placement", "reward"]).notes == []
+
+
+GRADER_FILE = """
+def largest(question, reply, answer):
+    return float(reply.strip() == answer), float(len(reply.split()) == 1)
+"""
+
+
+def test_a_function_grader_trains_a_jsonl_task_and_a_resume_refuses_it_changed(tmp_path, capsys,
+                                                                                run_killed_after_first_save):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(60))
+    (tmp_path / "mygrader.py").write_text(GRADER_FILE)
+    spec = f"{tmp_path / 'mygrader.py'}:largest"
+    task = JSONLTask(path, "train", grader=spec)
+    problem = task[0]
+    assert task.reward_parts(problem, problem["answer"]) == {"correct": 1.0, "format": 1.0}
+    assert task.evaluate(problem, problem["answer"]) and not task.evaluate(problem, "no")
+    flags = base_flags(tmp_path, "own", "--task", path, "--grader", spec, "--save-every", "1",
+                       "--reward-weights", "correct=1,format=0.5")
+    run_killed_after_first_save(flags)
+    config = json.load(open(tmp_path / "runs" / "own" / "config.json"))
+    assert config["task_code"][spec]["sha256"] and config["grader"] == spec
+    (tmp_path / "mygrader.py").write_text(GRADER_FILE.replace("== 1", "== 2"))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--resume"])
+    assert str(stop.value.code).startswith(f"error: --resume: the run's task code {spec} changed")
+    # a line of the file never names code; an unknown grader is one line
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "?", "answer": "1", "grader": spec}])
+    with pytest.raises(ValueError, match="is not one of number, exact, choice"):
+        JSONLTask(bad, "train")
+    with pytest.raises(SystemExit):
+        grpo.resolve_config(["--demo", "--task", path, "--grader", "fuzzy"])
+    assert "is none of number, exact, choice" in capsys.readouterr().err
