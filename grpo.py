@@ -221,6 +221,8 @@ arg("--eval-every", type=at_least(0), default=60,
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
+arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
+    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
 arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)")
 arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
@@ -845,12 +847,12 @@ def main(argv=None):
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = int(os.environ.get("RANK", "0"))
-    writes = args.resume or not args.eval_only  # evaluating a checkpoint writes no run folder
+    writes = args.resume or not (args.eval_only or args.ask)  # evaluating a checkpoint writes no run folder
     try:
         with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext(), stop_signals():
             run = start_run(args, run_dir, rank, writes)
-            if args.eval_only:
-                result = run_eval(args, run, run.start_step, args.final_eval_examples)
+            if args.eval_only or args.ask:
+                result = (ask if args.ask else run_eval)(args, run, run.start_step, args.final_eval_examples)
                 leave_process_group()
                 return result
             STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way, saved
@@ -1353,7 +1355,7 @@ def start_run(args, run_dir, rank, writes):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
     config = {k: v for k, v in vars(args).items()
-              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "notes")}
+              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes")}
     config.update(world_size=world_size, semantics=sorted(SEMANTICS))
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
     for note in args.notes:
@@ -2287,6 +2289,33 @@ def run_eval(args, run, step, num_examples):
                                              for k, v in result.items()))
     record(run, {"step": step, **result})
     return result
+
+
+def ask(args, run, step, _):
+    """--ask: the start policy's replies to one question, greedy then --num-samples sampled at --temperature, each
+    with the task's grade when the question is one of the task's problems. -> [(reply, reward or None)]."""
+    task = run.train_task
+
+    def question(problem):
+        return next(m["content"] for m in reversed(problem["messages"]) if m["role"] == "user").strip()
+    known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
+                  if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
+    prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})
+    with run.autocast:
+        greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
+                          tool=task.tool)
+        sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
+                           args.temperature, args.top_k, seed=args.seed, tool=task.tool)
+    run.log(f"--ask, the policy at step {step}: " + ("graded as the task's problem" if known else
+                                                     f"not one of the task's problems ({args.task}): no grade"))
+    replies = []
+    for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
+                                                          for i in range(args.num_samples)]:
+        text = reply_text(run.tokenizer, samples, row)
+        reward = task.reward(known, text) if known else None
+        replies.append((text, reward))
+        run.log(f"[{label}{'' if reward is None else f', reward {reward:g}'}] {text}")
+    return replies
 
 
 def reply_text(tokenizer, samples, row):

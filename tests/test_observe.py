@@ -189,3 +189,20 @@ def test_twenty_steps_without_signal_warn_once_and_an_equal_groups_reply_is_logg
                                                          "same reward (equal groups 1.00, mean reward 0.000)")
     rows = [json.loads(line) for line in open(tmp_path / "flat" / "samples.jsonl")]
     assert len(rows) == 24 * 4 and len({(r["step"], r["index"]) for r in rows}) == len(rows)  # 4 groups, one each
+
+
+def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(tmp_path, capsys):
+    grpo.main(["--demo", "--num-steps", "2", "--eval-every", "0", "--runs-dir", str(tmp_path), "--run-name", "a"])
+    checkpoint = str(tmp_path / "a" / "chatrl_checkpoints" / "d2")
+    from tasks.sort import Sort
+    question = Sort("test")[0]["messages"][0]["content"]
+    capsys.readouterr()
+    replies = grpo.main(["--demo", "--init", checkpoint, "--ask", question, "--num-samples", "3",
+                         "--runs-dir", str(tmp_path), "--run-name", "asked"])
+    out = capsys.readouterr().out
+    assert len(replies) == 4 and all(reward is not None for _, reward in replies)
+    assert "graded as the task's problem" in out and "[greedy, reward " in out and "[sample 3, reward " in out
+    assert not os.path.exists(tmp_path / "asked")  # asking writes nothing
+    replies = grpo.main(["--demo", "--init", checkpoint, "--ask", "hello?", "--num-samples", "2",
+                         "--runs-dir", str(tmp_path)])
+    assert [reward for _, reward in replies] == [None] * 3 and "no grade" in capsys.readouterr().out
