@@ -323,6 +323,7 @@ def test_the_readmes_own_task_commands_work_where_the_reader_is(tmp_path, monkey
              "--eval-max-new-tokens", "6"]
     grpo.main(scratch + short)
     assert os.path.isfile(tmp_path / "runs" / "demo-problems-grpo-seed0" / "metrics.jsonl")
+    assert grpo.resolve_config(["--demo"]).run_name == "demo-grpo-seed0"  # the demo's own run: another folder
     base = os.path.join(FIXTURES, "smear-backout", "base")
     if not os.path.isdir(base):
         pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
