@@ -1801,7 +1801,7 @@ def lock_run_dir(run_dir):
         try:
             yield
         finally:  # a start that failed before writing anything (a bad flag value, a missing run): no folder left
-            if created and os.listdir(run_dir) == [".lock"]:
+            if created and os.path.isdir(run_dir) and os.listdir(run_dir) == [".lock"]:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
 
