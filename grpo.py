@@ -1128,11 +1128,12 @@ def check_config(args):
 GiB = 2 ** 30
 
 
-def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None):
+def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False):
     """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
     that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
     (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
-    known (they depend on neither phase)."""
+    known (they depend on neither phase). exact_attention: packed passes take the exact path, not flash attention
+    (the CPU, float32): its padded block is counted too."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer_state is None:
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
@@ -1158,6 +1159,9 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     else:
         activations = (f"update: activations of {micro_rows} rows (estimate)", micro_rows * (
             length * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + args.max_new_tokens * c.vocab_size * 4 * 2))
+    exact = {} if not (args.pack and exact_attention) else {
+        "update: exact attention's padded rows (bound)": exact_attention_bytes(
+            c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
@@ -1168,7 +1172,20 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         # ~34 bytes per token, layer and unit of width at 16 bits (Korthikanti et al. 2022, attention scores not
         # kept), and the head's float32 logits and their gradient at the reply tokens
         activations[0]: activations[1],
+        **exact,
     }
+
+
+def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
+    """Bytes of the exact path of packed attention (model.packed_attention off flash attention): a pass's rows
+    gathered into a block of [rows, longest row], queries, keys, values and the output kept for the backward in
+    every layer. Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's static shape), or at
+    most one per token of the budget."""
+    minibatch_rows = -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)
+    rows = (min(args.device_batch_size, minibatch_rows) if args.device_batch_size else
+            minibatch_rows if args.compile else min(minibatch_rows, tokens_per_pass))
+    head_dim = c.n_embd // c.n_head
+    return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
 def pass_activations(c, tokens, compute_bytes):
@@ -1233,9 +1250,11 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     Off a GPU, --ref-offload keeps the reference where it is: counted."""
     planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False))
     longest_row = longest_prompt + args.max_new_tokens - 1
+    head_dim = model.config.n_embd // model.config.n_head
+    exact = not (gpu and dtype == "bfloat16" and head_dim % 8 == 0 and head_dim <= 256)  # model.flash_varlen's rule
     smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
                                                          device_batch_size=1, tokens_per_pass=longest_row)),
-                           world_size, longest_prompt, dtype)
+                           world_size, longest_prompt, dtype, exact_attention=exact)
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
@@ -1247,13 +1266,14 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
         # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, compute_bytes) <= room]
+        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t, compute_bytes)
+                + (exact_attention_bytes(model.config, args, world_size, longest_row, compute_bytes, t) if exact
+                   else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
                                      sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
-    return memory_plan(model, planned, world_size, longest_prompt, dtype,
-                       smallest["optimizer state per rank"]), smallest
+    return memory_plan(model, planned, world_size, longest_prompt, dtype, smallest["optimizer state per rank"],
+                       exact), smallest
 
 
 def plan_memory(args, world_size, device, dtype, task, log):

@@ -7,6 +7,7 @@ interleaved, --repeats rounds; the table gives the median.
     python tests/bench_memory.py                                # d8 shape, newest and classic generation, CPU
     python tests/bench_memory.py --device cuda --depth 20       # on a GPU: peak allocated instead of peak RSS
     python tests/bench_memory.py --plan                         # the memory plan of d20-d32 on 1 and 8 GPUs
+    python tests/bench_memory.py --modes --new-tokens 256       # plan vs peak of each way to form the update's passes
 
 --plan prints, in seconds and without running anything, the plan a run prints at its start (grpo.memory_plan) for
 nanochat's newest generation at depths 20, 24, 26 and 32, for `reinforce`, `grpo` with KL (bf16 reference) and
@@ -50,11 +51,20 @@ parser.add_argument("--child", nargs=2, metavar=("INIT", "SETTING"), help=argpar
 parser.add_argument("--plan", action="store_true", help="print the memory plans of d20-d32 (no run)")
 parser.add_argument("--gpu-gib", type=float, default=79.0, help="--plan: free memory of one GPU (an H100 80GB: ~79)")
 parser.add_argument("--prompt-tokens", type=int, default=256, help="--plan: the longest prompt, tokens")
+parser.add_argument("--modes", action="store_true", help="the update's passes formed each way: padded rows, packed "
+                    "by a token budget, packed whole rows; the plan's peak next to the measured one")
 args = parser.parse_args()
 
 SETTINGS = {"full, float32 reference": ["--ref-dtype", "float32"],
             "full, bf16 reference": ["--ref-dtype", "bfloat16"],
             f"LoRA r={args.lora_rank}": ["--lora-rank", str(args.lora_rank)]}
+ROWS = args.prompts * args.samples
+MODES = {f"padded rows, {ROWS // 2} a pass": ["--no-pack", "--device-batch-size", str(ROWS // 2)],
+         f"packed, {ROWS // 2} rows a pass": ["--pack", "--device-batch-size", str(ROWS // 2)],
+         f"packed, {ROWS // 2 * (args.new_tokens + 8)} tokens a pass": [
+             "--pack", "--tokens-per-pass", str(ROWS // 2 * (args.new_tokens + 8))]}
+if args.modes:
+    SETTINGS = MODES
 
 
 def checkpoint(folder, generation):
@@ -97,8 +107,9 @@ def child(init, setting):
     """One process, one step: -> JSON line with the memory before and at the peak of the step, and its seconds."""
     flags = ["--init", init, "--task", "sort", "--algo", "grpo", "--dtype", "bfloat16", "--device", args.device,
              "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples), "--max-new-tokens",
-             str(args.new_tokens), "--device-batch-size", str(args.prompts * args.samples), "--num-steps", "1",
-             "--eval-every", "0", "--log-samples", "0", "--runs-dir", tempfile.mkdtemp(), *SETTINGS[setting]]
+             str(args.new_tokens), "--num-steps", "1", "--eval-every", "0", "--log-samples", "0", "--runs-dir",
+             tempfile.mkdtemp(), *(SETTINGS[setting] if args.modes else ["--device-batch-size", str(ROWS),
+                                                                         *SETTINGS[setting]])]
     run_args = grpo.resolve_config(flags)
     with open(os.devnull, "w") as quiet:
         stdout, sys.stdout = sys.stdout, quiet
@@ -120,9 +131,12 @@ def child(init, setting):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else resident_mb("VmHWM")
+            longest = run.train_task.longest_prompt(run.tokenizer)
+            plan = grpo.memory_plan(run.model, run_args, 1, longest, "bfloat16")
         finally:
             sys.stdout = stdout
-    print(json.dumps(dict(before_mb=before, peak_mb=peak, seconds=seconds)))
+    print(json.dumps(dict(before_mb=before, peak_mb=peak, seconds=seconds, planned_step_mb=max(
+        grpo.phase_bytes(plan, "sampling"), grpo.phase_bytes(plan, "update")) / 2 ** 20)))
 
 
 def main():
@@ -145,15 +159,19 @@ def main():
                     out = subprocess.run([sys.executable, __file__, "--device", args.device, "--depth", str(args.depth),
                                           "--lora-rank", str(args.lora_rank), "--prompts", str(args.prompts),
                                           "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-                                          "--child", init, setting], capture_output=True, text=True)
+                                          *(["--modes"] if args.modes else []), "--child", init, setting],
+                                         capture_output=True, text=True)
                     if out.returncode:
                         sys.exit(f"{setting}: {out.stderr.strip().splitlines()[-1]}")
                     results[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print("| setting | held before the step (MB) | peak during the step (MB) | step (s) |")
-            print("| --- | --- | --- | --- |")
+            print("| setting | held before the step (MB) | peak during the step (MB) | step's growth (MB) | the "
+                  "plan's larger phase (MB) | step (s) |")
+            print("| --- | --- | --- | --- | --- | --- |")
             for setting, runs in results.items():
                 median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                print(f"| {setting} | {median['before_mb']:.0f} | {median['peak_mb']:.0f} | {median['seconds']:.1f} |")
+                print(f"| {setting} | {median['before_mb']:.0f} | {median['peak_mb']:.0f} | "
+                      f"{median['peak_mb'] - median['before_mb']:.0f} | {median['planned_step_mb']:.0f} | "
+                      f"{median['seconds']:.1f} |")
 
 
 def plans():

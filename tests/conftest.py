@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 
 import pytest
@@ -63,8 +64,16 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (torch.compile on the CPU)")
 
 
+def free_port():
+    """A TCP port no process listens on now: each rank launch its own, so that runs in parallel never meet."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
+    config.addinivalue_line("markers", "xdist_group(name): with pytest -n, these tests run on one worker")
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
 
 

@@ -334,6 +334,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.xdist_group("pristine")  # pytest -n: the module's fixture made once, on one worker
 def test_bad_input_and_faults(case, pristine, tmp_path, monkeypatch, capsys):
     _, setup, code, text = case
     w = tmp_path / "w"
@@ -507,6 +508,7 @@ def finished(process):
     return SimpleNamespace(returncode=process.returncode, stderr=stderr)
 
 
+@pytest.mark.xdist_group("pristine")
 def test_end_to_end_messages(pristine, tmp_path):
     # three runs in their own copies of the run folder, started at once: one interpreter start-up to wait for
     damaged, full, hostile = (tmp_path / name for name in ("damaged", "full", "hostile"))

@@ -21,7 +21,7 @@ import torch
 
 import grpo
 import model as model_module
-from conftest import ROOT, Killed
+from conftest import ROOT, Killed, free_port
 from model import SPECIAL_TOKENS
 from test_faults import GOOD_ROW, final_weights, flags, snapshot
 from test_grpo import in_this_process
@@ -167,6 +167,7 @@ def straight_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("file_name,nth,sig", WRITES, ids=[w[0] for w in WRITES])
+@pytest.mark.xdist_group("straight_run")  # pytest -n: the module's fixture made once, on one worker
 def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_path, monkeypatch, straight_run,
                                                                          file_name, nth, sig):
     if file_name == "curves.png":
@@ -207,6 +208,7 @@ def signals_in_update(monkeypatch, at_update, count=1, sig=signal.SIGINT):
 
 
 @pytest.mark.parametrize("save_every", ["2", "0"], ids=["scheduled-saves", "before-any-save"])
+@pytest.mark.xdist_group("straight_run")
 def test_ctrl_c_saves_the_step_under_way_and_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, straight_run,
                                                                                   save_every):
     argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--save-every", save_every,
@@ -263,8 +265,8 @@ def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
 def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
     argv = flags(tmp_path, "--num-steps", "100000", "--dist-timeout", "3", name="stuck")
     log = tmp_path / "job.txt"
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29571",
-                            "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            f"--master_port={free_port()}", "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     stopped = None
     message = "error: rank 0 of 2: lost rank 1, which did not answer within --dist-timeout 3 s"
@@ -295,9 +297,9 @@ def test_two_nodes_of_one_process_each_take_the_steps_of_one_process(tmp_path):
     single = flags(tmp_path, "--num-steps", "3", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
                    "--entropy-coef", "0", "--device-batch-size", "4", name="single")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [tmp_path / f"node{n}.txt" for n in range(2)]
+    logs, port = [tmp_path / f"node{n}.txt" for n in range(2)], free_port()  # both nodes meet at one endpoint
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29572", "--rdzv-id=nodes",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodes",
                                "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
              for log in logs]
     in_this_process(single)  # meanwhile, the same run in this process

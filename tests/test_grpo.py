@@ -14,6 +14,7 @@ import grpo
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
+from conftest import free_port
 from test_generations import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -888,13 +889,14 @@ def rank_runs(tmp_path_factory):
     ddp = [rank_test_flags(root, s, f"{s}-ddp") for s in settings]
     ddp += [rank_test_flags(root, "muon-v5", "muon-v5-whole", "--no-shard-optimizer"),
             resume_test_flags(root, "resume-ddp")]
-    wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], "29533")
+    wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], free_port())
     for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings] + [resume_test_flags(root, "resume-single")]:
         in_this_process(flags)
     wait()
     return root
 
 
+@pytest.mark.xdist_group("rank_runs")  # pytest -n: one worker runs the fixture's launch, once
 @pytest.mark.parametrize("setting", list(RANK_SETTINGS))
 def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
     # The ranks sum the gradient in another order than one process, so the weights differ in their last bits after
@@ -935,6 +937,7 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
     assert evals[0][0] == pytest.approx(evals[1][0])
 
 
+@pytest.mark.xdist_group("rank_runs")
 def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, tmp_path, capsys):
     # the training state holds the whole optimizer state, gathered from its owners: any number of ranks resumes
     # from it, each keeping its own share. 2 -> 2 is exact; 2 -> 1 and 1 -> 2 go on within the rank tests' tolerance.
@@ -946,7 +949,7 @@ def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, 
             path.unlink()  # as if the run had stopped after its step-2 checkpoint
     on_2 = [name for name, (_, ranks) in resumes.items() if ranks == 2]
     wait = launch_ranks([resume_test_flags(tmp_path, name, "--resume") for name in on_2],
-                        [tmp_path / f"rank{r}.txt" for r in range(2)], "29539")
+                        [tmp_path / f"rank{r}.txt" for r in range(2)], free_port())
     capsys.readouterr()
     in_this_process(resume_test_flags(tmp_path, "ddp-on-1", "--resume"))
     logs = {"ddp-on-1": capsys.readouterr().out}

@@ -188,3 +188,22 @@ def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_b
     except Exception as e:  # (the traceback's innermost step function names the phase)
         problem, remedy = grpo.out_of_memory(args, 1, e.__traceback__)
     assert "--device-batch-size 4 packed rows" in problem and "--tokens-per-pass" not in problem + remedy
+
+
+@pytest.mark.parametrize("mode", [["--tokens-per-pass", "512"], ["--device-batch-size", "8"]], ids=["tokens", "rows"])
+def test_the_plan_bounds_the_exact_attentions_padded_block(tmp_path, monkeypatch, mode):
+    # Off flash attention (the CPU, float32) a packed pass's rows are gathered into [rows, longest row] blocks:
+    # the plan counts them, at least what the update gathers
+    import model as model_module
+    plans, blocks = [], []
+    fitted, attention = grpo.fitted_plan, model_module.packed_attention
+    monkeypatch.setattr(grpo, "fitted_plan", lambda *a, **k: plans.append(fitted(*a, **k)) or plans[-1])
+
+    def recorded(q, k, v, pack, *a):
+        blocks.append(pack["rows"].numel() * q.size(-1) * (2 * q.size(1) + 2 * k.size(1)) * q.element_size())
+        return attention(q, k, v, pack, *a)
+    monkeypatch.setattr(model_module, "packed_attention", recorded)
+    grpo.main(["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--pack", *mode])
+    (plan, _), = plans
+    layers = 2  # the demo's
+    assert blocks and layers * max(blocks) <= plan["update: exact attention's padded rows (bound)"]
