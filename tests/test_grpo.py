@@ -888,7 +888,7 @@ def rank_runs(tmp_path_factory):
     settings = [s for s in RANK_SETTINGS if s != "lora" or os.path.isdir(SMEAR_BACKOUT)]
     ddp = [rank_test_flags(root, s, f"{s}-ddp") for s in settings]
     ddp += [rank_test_flags(root, "muon-v5", "muon-v5-whole", "--no-shard-optimizer"),
-            resume_test_flags(root, "resume-ddp")]
+            resume_test_flags(root, "resume-ddp", "--self-check")]  # the start-up check's all-reduce on 2 ranks
     wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], free_port())
     for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings] + [resume_test_flags(root, "resume-single")]:
         in_this_process(flags)
@@ -954,6 +954,9 @@ def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, 
     in_this_process(resume_test_flags(tmp_path, "ddp-on-1", "--resume"))
     logs = {"ddp-on-1": capsys.readouterr().out}
     wait()
+    checked = [(rank_runs / f"rank{r}.txt").read_text().count("self-check: packed passes vs the plain float32 path")
+               for r in range(2)]
+    assert checked == [1, 0]  # the resume-ddp run's start-up check: every rank takes part, rank 0 prints it
     rank0 = (tmp_path / "rank0.txt").read_text()
     assert "resumed from step 2" in logs["ddp-on-1"] and rank0.count("resumed from step 2") == len(on_2)
     logs.update(zip(on_2, rank0.split("resumed from step 2")))  # each run's log, up to its resume line
