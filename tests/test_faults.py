@@ -519,7 +519,7 @@ def test_end_to_end_messages(pristine, tmp_path):
     write(hostile, "runs/base/tokenizer/tokenizer.pkl", pickle.dumps(RunsCode(str(hostile / "ran"))))
     processes = [start_script(*flags(damaged, "--resume")),
                  # a checkpoint too large for the disk: the first save fails, the message says nothing was saved
-                 start_script(*flags(full, "--num-steps", "1", "--n-embd", "256", name="big"),
+                 start_script(*flags(full, "--num-steps", "1", "--n-embd", "128", name="big"),
                               limit_file_bytes=500_000),
                  start_script(*flags(hostile, "--init", str(hostile / CK), "--init-step", "1", name="hostile"))]
     result = finished(processes[0])
