@@ -60,9 +60,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint, generate,
-                   load_checkpoint, load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows,
-                   save_checkpoint, stop_signal, writing)
+from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint,
+                   flash_varlen_takes, generate, load_checkpoint, load_tensors, master_weight_names, master_weights,
+                   nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
 from tasks import build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
 
@@ -336,7 +336,7 @@ def group_advantages(rewards, kind, eps=1e-4):
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def term_advantages(reward_parts, weights, args, eps=1e-4):
+def term_advantages(reward_parts, weights, eps=1e-4):
     """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
     (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
     would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
@@ -617,7 +617,7 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     if args.reward_combination == "sum":
         advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
     else:
-        advantages = term_advantages(reward_parts, list(args.reward_weights.values()) + [1.0], args).flatten()
+        advantages = term_advantages(reward_parts, list(args.reward_weights.values()) + [1.0]).flatten()
     batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, sampled_mask=sampled_mask,
                  advantages=advantages, sampler_logprobs=sampler_logprobs, rewards=rewards,
                  equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
@@ -852,7 +852,7 @@ def main(argv=None):
         with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext(), stop_signals():
             run = start_run(args, run_dir, rank, writes)
             if args.eval_only or args.ask:
-                result = (ask if args.ask else run_eval)(args, run, run.start_step, args.final_eval_examples)
+                result = ask(args, run) if args.ask else run_eval(args, run, run.start_step, args.final_eval_examples)
                 leave_process_group()
                 return result
             STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way, saved
@@ -1181,9 +1181,9 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
     gathered into a block of [rows, longest row], queries, keys, values and the output kept for the backward in
     every layer. Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's static shape), or at
     most one per token of the budget."""
-    minibatch_rows = -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)
-    rows = (min(args.device_batch_size, minibatch_rows) if args.device_batch_size else
-            minibatch_rows if args.compile else min(minibatch_rows, tokens_per_pass))
+    most = minibatch_rows(args, world_size)
+    rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
+        most, tokens_per_pass)
     head_dim = c.n_embd // c.n_head
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
@@ -1234,6 +1234,11 @@ def sample_batch_rows(args, world_size):
     return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
 
 
+def minibatch_rows(args, world_size):
+    """Rows of this rank's share of a minibatch (at most: the shares differ by one where they do not divide)."""
+    return -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)
+
+
 def free_memory(device):
     """Bytes this process may use: the GPU's free memory, or its share of the machine's available memory."""
     if device.type == "cuda":
@@ -1250,8 +1255,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     Off a GPU, --ref-offload keeps the reference where it is: counted."""
     planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False))
     longest_row = longest_prompt + args.max_new_tokens - 1
-    head_dim = model.config.n_embd // model.config.n_head
-    exact = not (gpu and dtype == "bfloat16" and head_dim % 8 == 0 and head_dim <= 256)  # model.flash_varlen's rule
+    exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
     smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
                                                          device_batch_size=1, tokens_per_pass=longest_row)),
                            world_size, longest_prompt, dtype, exact_attention=exact)
@@ -1386,7 +1390,7 @@ def start_run(args, run_dir, rank, writes):
     longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
     for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
         config[k] = getattr(args, k)  # the run folder says what ran
-    rows = -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)  # a minibatch's, a rank
+    rows = minibatch_rows(args, world_size)
     # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as a
     # minibatch holds
     static_pack = (rows, longest_prompt + args.max_new_tokens - 1) if args.compile and args.pack else None
@@ -2311,7 +2315,7 @@ def run_eval(args, run, step, num_examples):
     return result
 
 
-def ask(args, run, step, _):
+def ask(args, run):
     """--ask: the start policy's replies to one question, greedy then --num-samples sampled at --temperature, each
     with the task's grade when the question is one of the task's problems. -> [(reply, reward or None)]."""
     task = run.train_task
@@ -2326,7 +2330,7 @@ def ask(args, run, step, _):
                           tool=task.tool)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
                            args.temperature, args.top_k, seed=args.seed, tool=task.tool)
-    run.log(f"--ask, the policy at step {step}: " + ("graded as the task's problem" if known else
+    run.log(f"--ask, the policy at step {run.start_step}: " + ("graded as the task's problem" if known else
                                                      f"not one of the task's problems ({args.task}): no grade"))
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)

@@ -219,9 +219,15 @@ def packed_attention(q, k, v, pack, mask, window, gqa):
 
 
 def flash_varlen(q):
-    """Whether packed attention runs varlen_attn: its flash kernels take CUDA bf16/fp16 with a head size that is a
-    multiple of 8, up to 256. (The CPU suite forces this branch with a strict stand-in of the kernel.)"""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+    """Whether packed attention runs varlen_attn on these queries. (The CPU suite forces this branch with a strict
+    stand-in of the kernel.)"""
+    return flash_varlen_takes(q.is_cuda, q.dtype, q.size(-1))
+
+
+def flash_varlen_takes(cuda, dtype, head_dim):
+    """varlen_attn's flash kernels take CUDA bf16/fp16 with a head size that is a multiple of 8, up to 256 (also
+    read by grpo.py's memory plan, which counts the exact path's padded block elsewhere)."""
+    return cuda and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 class MLP(nn.Module):

@@ -62,9 +62,9 @@ def read_number(text):
     if match is None:
         return None
     sign, numerator, denominator = match.groups()
-    value = Fraction(decimal.Decimal(numerator.replace(",", "")))
+    value = Fraction(numerator.replace(",", ""))
     if denominator is not None:
-        below = Fraction(decimal.Decimal(denominator.replace(",", "")))
+        below = Fraction(denominator.replace(",", ""))
         if below == 0:
             return None
         value /= below

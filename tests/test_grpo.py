@@ -1397,7 +1397,7 @@ def test_reward_terms_normalised_each_in_its_group_then_summed(advantage):
     parts = torch.tensor([[[1.0, 0.00, 0.0], [0.0, 0.01, 0.0], [1.0, 0.01, 0.0], [0.0, 0.00, 0.0]],
                           [[10., 0.01, 0.0], [10., 0.00, 0.0], [0.0, 0.01, 0.0], [0.0, 0.00, 0.0]]])  # [P, G, K+1]
     args = args_for("--advantage", advantage, "--reward-combination", "normalize-then-sum")
-    got = grpo.term_advantages(parts, [1.0, 1.0, 1.0], args)
+    got = grpo.term_advantages(parts, [1.0, 1.0, 1.0])
     z = lambda x: (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + 1e-4)  # noqa: E731
     summed = z(parts[..., 0]) + z(parts[..., 1])
     torch.testing.assert_close(got, summed / (summed.std() + 1e-4))
@@ -1410,4 +1410,4 @@ def test_reward_terms_normalised_each_in_its_group_then_summed(advantage):
     model, prompts, samples, rewards = batch_inputs(args)
     batch = grpo.make_batch(prompts, samples, rewards, args, reward_parts=torch.stack([rewards, 0 * rewards], -1))
     torch.testing.assert_close(batch["advantages"], grpo.term_advantages(
-        torch.stack([rewards, 0 * rewards], -1), [1.0, 1.0], args).flatten())
+        torch.stack([rewards, 0 * rewards], -1), [1.0, 1.0]).flatten())
