@@ -60,9 +60,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import (GENERATIONS, GPT, GPTConfig, Tokenizer, atomic_save, checkpoint_steps, find_checkpoint,
-                   flash_varlen_takes, generate, load_checkpoint, load_tensors, master_weight_names, master_weights,
-                   nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
+from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Tokenizer, atomic_save, checkpoint_steps,
+                   find_checkpoint, flash_varlen_takes, generate, load_checkpoint, load_tensors, master_weight_names,
+                   master_weights, nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
 from tasks import build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
 
@@ -1152,13 +1152,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1)
         activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens, compute_bytes))
+                       pass_activations(c, tokens))
     elif args.pack:
         activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass, compute_bytes))
+                       pass_activations(c, args.tokens_per_pass))
     else:
-        activations = (f"update: activations of {micro_rows} rows (estimate)", micro_rows * (
-            length * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + args.max_new_tokens * c.vocab_size * 4 * 2))
+        activations = (f"update: activations of {micro_rows} rows (estimate)",
+                       pass_activations(c, micro_rows * length))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
@@ -1166,11 +1166,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
         "reference model": ref_bytes,
+        # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
+        # through a generate call
+        "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
+            m, torch.nn.Linear)) if compute_bytes == 2 else 0,
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        # ~34 bytes per token, layer and unit of width at 16 bits (Korthikanti et al. 2022, attention scores not
-        # kept), and the head's float32 logits and their gradient at the reply tokens
         activations[0]: activations[1],
         **exact,
     }
@@ -1188,10 +1190,14 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
-def pass_activations(c, tokens, compute_bytes):
-    """Bytes of a packed pass of this many tokens: as memory_plan's rows, per token; the head runs in chunks of
-    at most 16,384 positions (token_logprobs), one chunk's logits alive at a time."""
-    return tokens * c.n_layer * 34 * c.n_embd * compute_bytes // 2 + min(tokens, 16384) * c.vocab_size * 4 * 2
+def pass_activations(c, tokens):
+    """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
+    bytes per token, layer and unit of width, and the head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an
+    element (token_logprobs). Measured, not derived: 75-76 on an H200 at d20 under bf16 autocast (the residual
+    stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block),
+    and about as much in float32 on the CPU (tests/bench_memory.py): docs/memory.md."""
+    head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
+    return tokens * c.n_layer * 76 * c.n_embd + head_positions * c.vocab_size * 24
 
 
 def size(n):
@@ -1270,7 +1276,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
         # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t, compute_bytes)
+        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t)
                 + (exact_attention_bytes(model.config, args, world_size, longest_row, compute_bytes, t) if exact
                    else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])

@@ -11,6 +11,7 @@ and the safe reader of tokenizer.pkl.
 """
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -29,10 +30,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-if torch.backends.cuda.is_built():  # flash attention over packed rows (packed_attention), for CUDA runs only
-    from torch.nn.attention.varlen import varlen_attn
-else:  # a CPU build of torch, where packed attention is always exact: skip the import, which loads torch's compiler
-    varlen_attn = None  # (about 2 s of every start on a small CPU)
+varlen_attn, VARLEN_GQA = None, False  # flash attention over packed rows (packed_attention), for CUDA runs only
+if torch.backends.cuda.is_built():  # a CPU build skips the import, which loads torch's compiler (~2 s a start)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10: packed attention is exact everywhere
+        pass
+    keywords = inspect.signature(varlen_attn).parameters if varlen_attn else {}
+    varlen_attn = varlen_attn if "window_size" in keywords else None  # 2.10's kernel has no sliding window
+    VARLEN_GQA = "enable_gqa" in keywords  # before 2.12 it takes as many key/value heads as query heads
 
 # -----------------------------------------------------------------------------
 # The GPT, in every generation that nanochat has written checkpoints of
@@ -84,6 +90,8 @@ GENERATIONS = {  # oldest first; the names are those of the test fixtures
 }
 MASKED_CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CHECKPOINT_LOGITS = 2 ** 24  # token_logprobs recomputes the head's logits in the backward from this size (64 MiB)
+HEAD_CHUNK = 2 ** 27  # logits a chunk of token_logprobs' head, at most: a chunk's backward holds ~24 bytes an
+# element (bf16 and float32 logits, log-softmax, its exp, their gradients; measured), 3.2 GB at this size
 SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
 
 
@@ -211,8 +219,10 @@ def packed_attention(q, k, v, pack, mask, window, gqa):
     L = pack["max_len"]
     reach = -1 if window is None or window >= L - 1 else window  # -1: the whole row back
     if flash_varlen(q):
-        return varlen_attn(q, k, v, pack["cu_seqlens"], pack["cu_seqlens"], L, L, window_size=(reach, 0),
-                           enable_gqa=gqa)
+        if gqa and not VARLEN_GQA:
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))  # [T, H, hd]
+        grouped = {"enable_gqa": gqa} if VARLEN_GQA else {}
+        return varlen_attn(q, k, v, pack["cu_seqlens"], pack["cu_seqlens"], L, L, window_size=(reach, 0), **grouped)
     q, k, v = (t[pack["rows"]].transpose(1, 2) for t in (q, k, v))  # [R, H, L, hd]
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     return y.transpose(1, 2).flatten(0, 1)[pack["flat"]]  # [R * L, H, hd] -> [T, H, hd]
@@ -226,8 +236,10 @@ def flash_varlen(q):
 
 def flash_varlen_takes(cuda, dtype, head_dim):
     """varlen_attn's flash kernels take CUDA bf16/fp16 with a head size that is a multiple of 8, up to 256 (also
-    read by grpo.py's memory plan, which counts the exact path's padded block elsewhere)."""
-    return cuda and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
+    read by grpo.py's memory plan, which counts the exact path's padded block elsewhere). torch before 2.11 has
+    none that takes a window: there every device is exact. (A CPU build plans a GPU as the newest torch runs it.)"""
+    kernel = varlen_attn is not None or not torch.backends.cuda.is_built()
+    return cuda and kernel and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 class MLP(nn.Module):
@@ -405,7 +417,7 @@ class GPT(nn.Module):
         return self.logits(self.hidden(idx, cache), softcap)
 
     def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, pack=None,
-                       chunk_size=16384):
+                       chunk_size=None):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
         also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
         positions [K] (flat indices into [B * T]): the head runs at these positions only, and the others are 0.
@@ -413,9 +425,10 @@ class GPT(nn.Module):
         the head is much of a forward pass's cost, and a boolean mask would make the host wait for the device.
         pack: idx and targets [1, T] hold packed rows (hidden, pack_rows).
 
-        The full [B, T, V] logits are never materialised: the head runs over chunks of positions, and each
-        chunk is recomputed in the backward pass rather than kept alive (with V = 65,536 a single [16, 512, V]
-        float32 tensor is 2 GiB, and softcap + log_softmax would keep several). Logits too small to matter
+        The full [B, T, V] logits are never materialised: the head runs over chunks of positions (chunk_size,
+        default HEAD_CHUNK // V: 2,048 at V = 65,536), and each chunk is recomputed in the backward pass rather than
+        kept alive (with V = 65,536 a single [16, 512, V] float32 tensor is 2 GiB, and softcap + log_softmax would
+        keep several). Logits too small to matter
         (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
         and both ways give the same numbers."""
         forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
@@ -434,6 +447,7 @@ class GPT(nn.Module):
             return logprobs, -(log_p.exp() * log_p).sum(dim=1)
 
         out = []
+        chunk_size = chunk_size or max(1, HEAD_CHUNK // self.lm_head.out_features)
         for i in range(0, max(x.size(0), 1), chunk_size):  # at least one chunk, empty when nothing is asked for
             args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
             recompute = torch.is_grad_enabled() and args[0].size(0) * self.lm_head.out_features >= CHECKPOINT_LOGITS

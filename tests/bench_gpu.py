@@ -27,6 +27,7 @@ Not collected by pytest; on a machine without CUDA it says so and exits 0 (unles
 """
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -61,6 +62,8 @@ parser.add_argument("--smoke", action="store_true", help="tiny shape and batch o
 parser.add_argument("--device", default="cuda")
 parser.add_argument("--part", default="all", choices=["all", "rollouts", "eager", "compiled"],
                     help="rollouts, the eager steps or the compiled steps alone (each fits a 10-minute command)")
+parser.add_argument("--no-self-check", dest="self_check", action="store_false",
+                    help="skip the fast paths' check before the timings (its compile: ~75 s on a fresh machine)")
 parser.add_argument("--profile", action="store_true", help="the 15 CUDA kernels of each timed update (torch.profiler)")
 args = parser.parse_args()
 sys.stdout.reconfigure(line_buffering=True)  # every row out as soon as it is printed
@@ -117,7 +120,7 @@ def fast_path_check(model):
     line, or the error line that would stop a run."""
     for compiled in ((False, True) if cuda else (False,)):
         check = grpo.resolve_config(["--task", "sort", "--algo", "grpo", "--device", device.type, "--max-new-tokens",
-                                     "16", "--compile" if compiled else "--no-compile"])
+                                     "16", "--tokens-per-pass", "2048", "--compile" if compiled else "--no-compile"])
         task = Sort("train")
         static = (8, task.longest_prompt(tokenizer) + 15) if compiled else None  # as a run's: rows, longest row
         run = SimpleNamespace(model=model, tokenizer=tokenizer, train_task=task, autocast=autocast, device=device,
@@ -165,6 +168,9 @@ def update_flops(model, batch, passes):
 def fitted_sizes(model, algo):
     """The rows a padded pass and the tokens a packed pass that grpo.py's memory plan fits on this device (its
     --device-batch-size and --tokens-per-pass defaults on a GPU)."""
+    gc.collect()  # what the last steps held, freed before the free memory is read
+    if cuda:
+        torch.cuda.empty_cache()
     plan_args = grpo.resolve_config(["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples",
                                      str(args.samples), "--max-new-tokens", str(args.new_tokens)])
     free = torch.cuda.mem_get_info(device)[0] if cuda else 2 ** 30
@@ -180,6 +186,9 @@ def fitted_sizes(model, algo):
 def training_step(model, prompts, algo, compiled, layout):
     """layout: ("rows", n): padded rows, n a pass (--no-pack); ("tokens", n): packed passes of n tokens."""
     kind, size = layout
+    gc.collect()  # the last step's model and optimizer state, held in reference cycles, freed before this one's
+    if cuda:
+        torch.cuda.empty_cache()
     flags = ["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples", str(args.samples),
              "--max-new-tokens", str(args.new_tokens)] + (
         ["--no-pack", "--device-batch-size", str(size)] if kind == "rows" else ["--tokens-per-pass", str(size)])
@@ -237,16 +246,21 @@ for shape in args.shapes.split(","):
     model = random_model(shape).eval()
     params = sum(p.numel() for p in model.parameters())
     print(f"{shape}: {model.config.n_layer} layers, width {model.config.n_embd}, {params / 1e6:.0f}M parameters")
-    fast_path_check(model)
+    if args.self_check:
+        fast_path_check(model)
     if args.part in ("all", "eager", "compiled"):
         for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
             if args.part != "all" and compiled != (args.part == "compiled"):
                 continue
             for algo in ("reinforce", "grpo"):
                 rows, tokens = fitted_sizes(model, algo)
+                print(f"  {algo}: the memory plan fits {rows} padded rows or {tokens} packed tokens a pass")
                 for layout in dict.fromkeys([("rows", args.device_batch_size), ("rows", rows),
-                                             ("tokens", args.tokens_per_pass or tokens)]):
-                    training_step(model, prompts, algo, compiled, layout)
+                                             ("tokens", args.tokens_per_pass or tokens), ("tokens", tokens)]):
+                    try:
+                        training_step(model, prompts, algo, compiled, layout)
+                    except torch.OutOfMemoryError as e:  # a plan that fits more than the device holds: a finding
+                        print(f"  step {algo} {layout}: out of memory: {str(e).splitlines()[0]}")
     if args.part not in ("all", "rollouts"):
         continue
     new_tokens = args.prompts * args.samples * args.new_tokens

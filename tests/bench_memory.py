@@ -185,8 +185,8 @@ def plans():
           f"--max-new-tokens 256, prompts up to {args.prompt_tokens} tokens, {args.gpu_gib:g} GiB free a GPU; "
           "GiB per GPU; sampling: the default chunk a GPU run picks (replies a generate call)")
     print("| model | params | setting | GPUs | weights | optimizer state per rank | reference | sampling (replies) "
-          "| update: gradients + activations | peak | fits |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| bf16 weight copies | update: gradients + activations (tokens a pass) | peak | fits |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for depth in (20, 24, 26, 32):
         width = 64 * depth
         config = GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=width // 128,
@@ -197,6 +197,7 @@ def plans():
                     model = GPT(config, "smear-backout")
                 run_args = grpo.resolve_config(["--init", "x", "--dtype", "bfloat16", *flags,
                                                 "--shard-optimizer" if gpus > 1 else "--no-shard-optimizer"])
+                run_args.tokens_per_pass = None  # fitted, as on a GPU (the CPU's default is 4,096)
                 if run_args.lora_rank:
                     model.add_lora(run_args.lora_rank, run_args.lora_alpha, 0)
                 plan, smallest = grpo.fitted_plan(model, run_args, gpus, args.prompt_tokens, "bfloat16", free, True)
@@ -207,7 +208,8 @@ def plans():
                 print(f"| d{depth} | {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B | {name} | {gpus} | "
                       f"{gib['weights (float32)']:.1f} | {gib['optimizer state per rank']:.1f} | "
                       f"{gib['reference model']:.1f} | {grpo.phase_bytes(plan, 'sampling') / 2 ** 30:.1f} ({rows}) | "
-                      f"{update:.1f} | {grpo.plan_peak(plan) / 2 ** 30:.1f} | {fits} |")
+                      f"{gib['bf16 copies of the weights (autocast)']:.1f} | {update:.1f} ({run_args.tokens_per_pass:,}) | "
+                      f"{grpo.plan_peak(plan) / 2 ** 30:.1f} | {fits} |")
 
 
 if args.plan:

@@ -76,3 +76,10 @@ def strict_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, r
 
 def tail_dropping_varlen_attn(*args, **kwargs):
     return strict_varlen_attn(*args, drop_past_max=True, **kwargs)
+
+
+def strict_varlen_attn_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                                   window_size=(-1, -1)):
+    """torch 2.11's varlen_attn: no enable_gqa keyword, so key and value have as many heads as the query."""
+    return strict_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                              window_size=window_size)

@@ -485,6 +485,29 @@ def test_on_cuda_flash_attention_over_packed_rows_gives_the_padded_rows_numbers(
     assert error(packed_grads) <= 2 * error(padded_grads)
 
 
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_grouped_query_attention_takes_torch_2_11s_flash_kernel_too(generation, monkeypatch):
+    # torch 2.11's varlen_attn has no enable_gqa: key and value go in with as many heads as the query, and give the
+    # numbers torch 2.12's grouped call does (both kernels the strict stand-in, the flash branch forced on the CPU)
+    from kernels import strict_varlen_attn, strict_varlen_attn_without_gqa
+    model = random_model(generation)
+    assert model.config.n_kv_head < model.config.n_head
+    rows = random_tokens(41, 9, 30, seed=3)
+    weights = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    results = {}
+    for grouped, kernel in ((True, strict_varlen_attn), (False, strict_varlen_attn_without_gqa)):
+        calls = []
+        monkeypatch.setattr(model_module, "VARLEN_GQA", grouped)
+        monkeypatch.setattr(model_module, "varlen_attn", lambda *a, k=kernel, **kw: calls.append(1) or k(*a, **kw))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[grouped] = packed_and_unpacked(model, rows, weights)[1]
+        assert len(calls) == model.config.n_layer
+    (packed, grads), (packed_without, grads_without) = results[True], results[False]
+    assert torch.equal(packed, packed_without)
+    assert all(torch.equal(g, h) for g, h in zip(grads, grads_without))
+
+
 def trainer_batch(prompt_lengths, G, max_new_tokens, budget, static, seed=0):
     """A batch as the trainer plans it (make_batch: minibatches, passes packed first-fit into --tokens-per-pass, with
     static: one shape for every pass), of random prompts and replies -> (batch, args)."""

@@ -164,7 +164,8 @@ def test_an_offloaded_reference_gives_the_same_log_probs_and_returns_to_the_cpu(
     with grpo.on_device(reference, device):
         assert all(p.is_cuda for p in reference.parameters())
         assert torch.equal(reference.token_logprobs(batch["input_ids"], batch["target_ids"]), expected)
-    assert all(p.data is cpu and cpu.is_pinned() for p, cpu in zip(reference.parameters(), before))
+    # (p.data is a new view at each read: the same storage is what says the CPU copies came back)
+    assert all(p.data.data_ptr() == cpu.data_ptr() and p.data.is_pinned() for p, cpu in zip(reference.parameters(), before))
 
 
 def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_budget():
@@ -180,7 +181,7 @@ def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_b
     model, _, _ = grpo.load_policy(args, None, shapes_only=True)
     plan = grpo.memory_plan(model, args, 1, longest_prompt, "float32")
     rows = next(v for k, v in plan.items() if k.startswith("update: activations"))
-    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1), 4)
+    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1))
     def update_oom():
         grpo.policy_update(None, None, None, None, None)
     try:
