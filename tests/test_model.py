@@ -309,6 +309,24 @@ def test_head_recomputed_in_the_backward_or_kept_gives_the_same_gradients(with_e
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_heads_chunks_hold_at_most_HEAD_CHUNK_logits_as_the_memory_plan_counts(monkeypatch):
+    # A chunk's backward holds ~24 bytes a logit: chunks of HEAD_CHUNK // V positions by default (16,384 positions
+    # at V = 65,536 held 16 GiB on a GPU), the same numbers as one chunk, and the plan counts one such chunk
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    idx, targets = torch.randint(0, 300, (3, 20)), torch.randint(0, 300, (3, 20))
+    whole = model.token_logprobs(idx, targets, chunk_size=60)
+    monkeypatch.setattr(model_module, "HEAD_CHUNK", 7 * model.lm_head.out_features)
+    chunks, logits = [], model.logits
+    monkeypatch.setattr(model, "logits", lambda x: chunks.append(x.size(0)) or logits(x))
+    torch.testing.assert_close(model.token_logprobs(idx, targets), whole, rtol=0, atol=1e-6)
+    assert chunks == [7] * 8 + [4]
+    import grpo
+    monkeypatch.setattr(grpo, "HEAD_CHUNK", 7 * model.config.vocab_size)
+    assert grpo.pass_activations(model.config, 100) - grpo.pass_activations(model.config, 50) == \
+        50 * model.config.n_layer * 76 * model.config.n_embd  # past one chunk the head adds nothing
+
+
 def test_a_mapped_load_reads_torchs_legacy_format_and_names_a_damaged_file(tmp_path):
     # shapes-only loads and resumes map the file; a file in torch's pre-zip format cannot be mapped, and is read
     torch.save({"w": torch.arange(3.0)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
