@@ -109,10 +109,12 @@ parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE o
 # the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
 arg = algorithm.add_argument
-arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"],
+arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo",
+                                           "distill"],
     help="algorithm preset: sets the flags of this group that are not given")
-arg("--advantage", choices=["mean", "zscore", "rloo", "batch"],
-    help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards")
+arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"],
+    help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards; none: 0 "
+    "(the reward teaches nothing: --algo distill)")
 arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"],
     help="per-token losses: nanochat's RL loss (a question's replies in passes of --pass-size, each pass's sum / its "
     "tokens, the mean over passes and questions); averaged over all tokens; per reply, then over replies; "
@@ -143,6 +145,13 @@ arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
 arg("--ref-offload", action="store_true",
     help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
+arg("--distill-coef", type=float, help="on-policy distillation: each token's advantage gains this x (log pi_teacher - "
+    "log pi_old) of the token sampled (needs --teacher)")
+arg("--teacher", default=None, metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint "
+    "folder, or a run folder of this program, of any generation and depth, with the policy's tokenizer")
+arg("--teacher-step", type=at_least(0), default=None, help="--teacher: its checkpoint step (default: the largest)")
+arg("--teacher-offload", action="store_true",
+    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
@@ -265,12 +274,12 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
     "reinforce": dict(advantage="mean", aggregation="nanochat", ratio_level="token", policy_loss="clip",
                       ppo_epochs=1, num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0,
                       sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False,
-                      mask_truncated=False, dynamic_sampling=False),
+                      mask_truncated=False, dynamic_sampling=False, distill_coef=0.0),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
     "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", policy_loss="clip", ppo_epochs=2,
                  num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
                  kl_coef=0.04, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False, mask_truncated=False,
-                 dynamic_sampling=False),
+                 dynamic_sampling=False, distill_coef=0.0),
 }
 # RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
 PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
@@ -288,6 +297,9 @@ PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token
 # SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 and the per-reply mean (the paper's
 # 1/G sum_i 1/|o_i| sum_t, as GRPO's), no KL
 PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
+# On-policy distillation (GKD, Agarwal et al. 2023; Thinking Machines 2025): the teacher's per-token log-ratio is the
+# whole advantage, the reward's is off; on-policy (one pass), the mean over tokens, no KL to a reference
+PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0)
 
 
 def as_flags(settings):
@@ -310,7 +322,8 @@ algorithm.description = "--algo sets, where not given (the others: reinforce's v
 # seed 8 still lost the digit 1 (sampled about once in 100 steps where it belongs, too rarely to be learned). The bonus
 # competes with the policy term, whose scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01
 # with raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
-DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01}  # batch: / the step's std
+DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01,  # batch: / the step's std
+                     "none": 0.0}  # distillation: the teacher's log-ratios already push every token its own way
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
             max_new_tokens=8, eval_max_new_tokens=8, top_k=0, algo="grpo", optimizer="muon",
             init_lr_frac=0.25, entropy_coef=None, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0,
@@ -323,6 +336,8 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
 def group_advantages(rewards, kind, eps=1e-4):
     """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group."""
     G = rewards.size(1)
+    if kind == "none":  # the reward teaches nothing (--algo distill: the teacher does, per token, in objective)
+        return torch.zeros_like(rewards)
     # An all-equal group has exactly 0 advantages under every kind, never rounding noise divided by a tiny std.
     centered = torch.where(equal_groups(rewards)[:, None], 0.0, rewards - rewards.mean(dim=1, keepdim=True))
     if kind == "mean":
@@ -473,15 +488,23 @@ def rollout_weights(sampler_gap, kind, cap):
 
 
 def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, advantages, loss_mask, denominator,
-              args):
+              args, teacher_logprobs=None):
     """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
-    the gradient; old_logprobs, ref_logprobs (None: no KL) and sampler_logprobs are frozen; advantages [B, 1].
-    -> (loss, its parts for the statistics)"""
+    the gradient; old_logprobs, ref_logprobs (None: no KL), sampler_logprobs and teacher_logprobs (None: no
+    distillation) are frozen; advantages [B, 1]. -> (loss, its parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
     logprobs = torch.where(keep, logprobs, 0.0)
     old = torch.where(keep, old_logprobs, 0.0)
+    parts = {}
+    if teacher_logprobs is not None:
+        # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
+        # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
+        # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
+        # (docs/algorithm.md). Added to the reply's group advantage, so reward and teacher can teach together.
+        parts["teacher_kl"] = old - torch.where(keep, teacher_logprobs, 0.0)  # [B, T], the sampled reverse KL
+        advantages = advantages - args.distill_coef * parts["teacher_kl"]  # [B, 1] -> [B, T]
     log_ratio = logprobs - old  # [B, T]
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
@@ -498,7 +521,7 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
         gap = sequence_log_ratio(sampler_gap, loss_mask) if args.ratio_level == "sequence" else sampler_gap
         policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
     loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    parts = dict(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
+    parts.update(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
                  sampler_gap=sampler_gap)
     loss = loss_policy
     if ref_logprobs is not None:
@@ -699,9 +722,10 @@ def frozen_logprobs(net, micro_batches, args, autocast):
         return [logprobs_of(net, mb, args) for mb in micro_batches]
 
 
-def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None):
+def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
     """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
     owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
+    teacher: --distill-coef's frozen teacher, whose log-probs are taken on the same passes as pi_ref's.
     With --kl-placement reward the batch's advantages are rebuilt here, from rewards minus the KL."""
     micro_batches = batch["micro_batches"]
     minibatches = [[i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j]
@@ -721,6 +745,10 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
         with ref_model.lora_disabled(), on_device(ref_model, batch["advantages"].device) if args.ref_offload \
                 else nullcontext():
             ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
+    teacher_logprobs = [None] * len(micro_batches)
+    if teacher is not None:
+        with on_device(teacher, batch["advantages"].device) if args.teacher_offload else nullcontext():
+            teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
     if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
         penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
         for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
@@ -743,11 +771,11 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
                 stats["empty_updates"] += 1
                 continue
-            # No policy signal (every advantage 0, no entropy bonus): the step a KL-free run takes, on a zero
-            # gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
+            # No policy signal (every advantage 0, no entropy bonus, no teacher): the step a KL-free run takes, on a
+            # zero gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
             # which normalise a step's scale, would turn it into a full step away from the reference
             # (docs/algorithm.md). Its forward still runs, without a graph: pi_old and the logged terms.
-            signal = signal > 0 or args.entropy_coef > 0
+            signal = signal > 0 or args.entropy_coef > 0 or teacher is not None
             stats["no_signal_updates"] += not signal
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
             for i in minibatch:
@@ -761,7 +789,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
                     loss, parts = objective(logprobs, entropy, old_logprobs[i],
                                             ref_logprobs[i] if ref_model is not None else None,
                                             mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
-                                            mb_denominator, args)
+                                            mb_denominator, args, teacher_logprobs[i])
                 if signal:
                     loss.backward()
                 minibatch_loss += loss.detach()
@@ -778,7 +806,8 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             optimizer_step(model, optimizers, stats, args.grad_clip, owners)
             model.zero_grad(set_to_none=True)
             stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
-    return finish_update_stats(stats, args, with_kl=ref_model is not None), time_logprobs
+    return finish_update_stats(stats, args, with_kl=ref_model is not None, with_teacher=teacher is not None), \
+        time_logprobs
 
 
 def signal_tokens(batch, args):
@@ -822,7 +851,8 @@ def train(args, run):
         batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack,
                                      groups["reward_parts"]), run.device)
         update_start = time.time()
-        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners)
+        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners,
+                                             run.teacher)
 
         # 6. Log, check, evaluate, save.
         times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
@@ -971,6 +1001,8 @@ IDLE_FLAGS = [
     ("reward_combination", lambda a: len(a.reward_weights or ()) < 2, "one reward term (--reward-weights)"),
     ("grader", lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
      "it grades .jsonl tasks"),
+    ("teacher_step", lambda a: not a.teacher, "it picks --teacher's checkpoint"),
+    ("teacher_offload", lambda a: not a.teacher, "no teacher (--teacher)"),
 ]
 
 
@@ -1047,6 +1079,17 @@ def check_config(args):
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.distill_coef < 0, "--distill-coef must be >= 0"),
+        (args.distill_coef > 0 and not args.teacher, f"--distill-coef {args.distill_coef:g} needs a teacher: --teacher "
+         "DIR (a checkpoint folder of a model with the policy's tokenizer)"),
+        (args.teacher and not args.distill_coef > 0, "--teacher is read only with --distill-coef > 0 (--algo distill "
+         "sets 1.0)"),
+        (args.advantage == "none" and not args.distill_coef > 0 and not args.entropy_coef,
+         "--advantage none with --distill-coef 0: nothing would teach the policy (the reward's advantage is off)"),
+        (args.advantage == "none" and args.reward_combination != "sum",
+         "--advantage none turns the reward's advantage off; --reward-combination normalize-then-sum would make one"),
+        (args.distill_coef > 0 and args.ratio_level == "sequence", "--distill-coef gives each token its own "
+         "advantage, and --ratio-level sequence (GSPO) one ratio a reply: use --ratio-level token"),
         (args.policy_loss != "clip" and (args.ratio_level == "sequence" or args.clip_ratio_c is not None),
          f"--policy-loss {args.policy_loss} is per token: --ratio-level sequence and --clip-ratio-c are PPO-clip's"),
         (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
@@ -1128,12 +1171,14 @@ def check_config(args):
 GiB = 2 ** 30
 
 
-def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False):
+def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False,
+                teacher=None):
     """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
     that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
     (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
     known (they depend on neither phase). exact_attention: packed passes take the exact path, not flash attention
-    (the CPU, float32): its padded block is counted too."""
+    (the CPU, float32): its padded block is counted too. teacher: --teacher's model (shapes), held like the
+    reference."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer_state is None:
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
@@ -1141,9 +1186,7 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     compute_bytes = 2 if dtype == "bfloat16" else 4
     ref_bytes = 0
     if args.kl_coef and not args.lora_rank and not args.ref_offload:
-        bf16 = (args.ref_dtype or dtype) == "bfloat16"
-        linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        ref_bytes = sum(p.numel() * (2 if bf16 and id(p) in linear else 4) for p in model.parameters())
+        ref_bytes = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")
     c = model.config
     head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
     rows = sample_batch_rows(args, world_size)
@@ -1166,6 +1209,8 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
         "reference model": ref_bytes,
+        **({"teacher model": frozen_bytes(teacher, dtype == "bfloat16")} if teacher is not None
+           and not args.teacher_offload else {}),
         # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
         # through a generate call
         "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
@@ -1176,6 +1221,12 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         activations[0]: activations[1],
         **exact,
     }
+
+
+def frozen_bytes(net, bf16_matrices):
+    """Bytes of a model that does not train (frozen): its matrices in bf16 when bf16_matrices, the rest float32."""
+    linear = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(p.numel() * (2 if bf16_matrices and id(p) in linear else 4) for p in net.parameters())
 
 
 def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
@@ -1254,17 +1305,17 @@ def free_memory(device):
     return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of a machine share it
 
 
-def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
+def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher=None):
     """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
     --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
     --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
-    Off a GPU, --ref-offload keeps the reference where it is: counted."""
-    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False))
+    Off a GPU, --ref-offload and --teacher-offload keep the model where it is: counted."""
+    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False, teacher_offload=False))
     longest_row = longest_prompt + args.max_new_tokens - 1
     exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
     smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
                                                          device_batch_size=1, tokens_per_pass=longest_row)),
-                           world_size, longest_prompt, dtype, exact_attention=exact)
+                           world_size, longest_prompt, dtype, exact_attention=exact, teacher=teacher)
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
@@ -1283,7 +1334,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu):
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
                                      sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
     return memory_plan(model, planned, world_size, longest_prompt, dtype, smallest["optimizer state per rank"],
-                       exact), smallest
+                       exact, teacher), smallest
 
 
 def plan_memory(args, world_size, device, dtype, task, log):
@@ -1292,12 +1343,14 @@ def plan_memory(args, world_size, device, dtype, task, log):
     model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
     if args.lora_rank:
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    teacher = load_teacher(args, tokenizer, lambda *a: None, shapes_only=True)[0] if args.distill_coef > 0 else None
     longest_prompt = task.longest_prompt(tokenizer)
     free = free_memory(device)
     gpu = device.type == "cuda"
-    if args.ref_offload and not gpu:
-        log("note: --ref-offload keeps the reference off a GPU; on the CPU it stays where it is")
-    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu)
+    for flag, what in (("ref", "reference"), ("teacher", "teacher")):
+        if getattr(args, f"{flag}_offload") and not gpu:
+            log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
+    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher)
     longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
     if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
         sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
@@ -1306,7 +1359,8 @@ def plan_memory(args, world_size, device, dtype, task, log):
     if plan_peak(smallest) > free:
         remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
             "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
-            ["--ref-offload"] if smallest["reference model"] else []) + ["a smaller --max-new-tokens"]
+            ["--ref-offload"] if smallest["reference model"] else []) + (
+            ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
@@ -1420,18 +1474,16 @@ def start_run(args, run_dir, rank, writes):
     elif args.lora_rank:
         ref_model = model  # the base model: the policy with its adapters switched off, no second copy
     else:
-        ref_model = copy.deepcopy(model).requires_grad_(False)
-        if (args.ref_dtype or dtype) == "bfloat16":
-            # Under bf16 autocast every matmul casts its weight to bf16 anyway: stored so, the reference's matrices
-            # take half the memory and give the same numbers. Embeddings, gains and gates stay float32 (no matmul).
-            for module in ref_model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.to(torch.bfloat16)
-        if args.ref_offload and device.type == "cuda":  # in pinned CPU memory: a fast copy to the GPU each step
-            for p in ref_model.parameters():
-                p.data = p.data.cpu().pin_memory()
+        ref_model = frozen(copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16",
+                           args.ref_offload and device.type == "cuda")
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
+    teacher = None
+    if args.distill_coef > 0:
+        teacher, config["inputs"]["teacher"] = load_teacher(args, tokenizer, log)
+        teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
+                         args.teacher_offload and device.type == "cuda")
+        teacher.use_compile = args.compile
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
     own_grader = [args.grader] if args.grader not in GRADERS else []
     for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
@@ -1444,7 +1496,7 @@ def start_run(args, run_dir, rank, writes):
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, watched=watched, model=model,
                           tokenizer=tokenizer,
-                          ref_model=ref_model, optimizers=optimizers, owners=owners, config=config,
+                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
                           static_pack=static_pack,
                           run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
@@ -1574,6 +1626,68 @@ def start_checkpoint_dir(args):
         return find_checkpoint(tag=args.model_tag)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}; train a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
+
+
+def frozen(net, bf16_matrices, offload):
+    """A model that does not train (the reference, the teacher) -> it, without gradients. bf16_matrices: under bf16
+    autocast every matmul casts its weight to bf16 anyway, so stored so its matrices take half the memory and give
+    the same numbers (embeddings, gains and gates stay float32: no matmul). offload: in pinned CPU memory, a fast
+    copy to the GPU for each use (on_device)."""
+    net.requires_grad_(False).eval()
+    if bf16_matrices:
+        for module in net.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.to(torch.bfloat16)
+    if offload:
+        for p in net.parameters():
+            p.data = p.data.cpu().pin_memory()
+    return net
+
+
+def teacher_checkpoint(args):
+    """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
+    folder, the step); one error line when there is none."""
+    folder = args.teacher
+    runs = os.path.join(folder, "chatrl_checkpoints")
+    if not checkpoint_steps(folder) and os.path.isdir(runs) and len(os.listdir(runs)) == 1:  # a run folder
+        folder = os.path.join(runs, os.listdir(runs)[0])
+    complete = [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
+    if not complete:
+        sys.exit(f"error: --teacher: no model_<step>.pt with its meta_<step>.json in {os.path.abspath(args.teacher)}: "
+                 "name a nanochat checkpoint folder (e.g. <base>/chatsft_checkpoints/d32) or a run folder of grpo.py")
+    step = complete[-1] if args.teacher_step is None else args.teacher_step
+    if step not in complete:
+        sys.exit(f"error: --teacher-step {step}: {folder} holds steps {complete}")
+    return folder, step
+
+
+def load_teacher(args, tokenizer, log, shapes_only=False):
+    """--teacher, in float32 on the CPU (shapes_only: on the meta device) -> (model, fingerprint for --resume: the
+    sha256 of its meta file, its model file's size and first and last MiB). It must read text as the policy does:
+    its log-probs are over its own token ids."""
+    folder, step = teacher_checkpoint(args)
+    try:
+        teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
+        teacher_tokenizer = Tokenizer.from_file(tokenizer_path(folder))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: --teacher: {e}")
+    reads = [(t.enc._pat_str, t.enc._mergeable_ranks, t.enc._special_tokens) for t in (tokenizer, teacher_tokenizer)]
+    if reads[0] != reads[1]:
+        policy_file = tokenizer_path(start_checkpoint_dir(args)) if args.init != "scratch" else \
+            "the byte-level one of --init scratch"
+        sys.exit(f"error: --teacher's tokenizer ({tokenizer_path(folder)}) is not the policy's ({policy_file}): "
+                 "distillation compares the two models' log-probs of the same token ids; pick a teacher trained "
+                 "with the policy's tokenizer")
+    digest = hashlib.sha256()
+    model_path = os.path.join(folder, f"model_{step:06d}.pt")
+    with open(os.path.join(folder, f"meta_{step:06d}.json"), "rb") as meta, open(model_path, "rb") as weights:
+        digest.update(meta.read())
+        size = os.fstat(weights.fileno()).st_size
+        digest.update(str(size).encode() + weights.read(2 ** 20))
+        weights.seek(max(0, size - 2 ** 20))
+        digest.update(weights.read())
+    log(f"teacher: {folder}, step {step}, {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters")
+    return teacher, digest.hexdigest()
 
 
 def tokenizer_path(checkpoint_dir):
@@ -1962,12 +2076,14 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
             f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
+            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
             + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
             + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
               f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
               f"| {metrics['tokens_per_s']:.0f} tok/s")
     # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
-    run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 else 0
+    # (A teacher teaches in equal groups too.)
+    run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
     if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
         run.signal_less_steps = math.inf
         run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
@@ -2061,7 +2177,8 @@ SEMANTICS = {
 }
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data ({})", "test": "test data ({})", "tokenizer": "tokenizer (tokenizer.pkl of the start "
-          "checkpoint)", "code": "task code", "watched": "data of the watched task"}
+          "checkpoint)", "code": "task code", "watched": "data of the watched task",
+          "teacher": "teacher (--teacher's checkpoint)"}
 
 
 def resume(args, run):
@@ -2183,7 +2300,7 @@ def read_step_log(path, log=print):
 def update_stats(device):
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped_low", "clipped_high", "clip_tokens",
-                                      "tokens", "kl", "entropy", "sampler_gap")}
+                                      "tokens", "kl", "entropy", "sampler_gap", "teacher_kl")}
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
                 grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
@@ -2246,6 +2363,8 @@ def add_micro_batch_stats(stats, loss, parts, mask):
         sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
         sums["clip_tokens"] += mask.sum()
     sums["tokens"] += mask.sum()
+    if "teacher_kl" in parts:
+        sums["teacher_kl"] += (parts["teacher_kl"] * mask).sum()
     sums["entropy"] += (parts["entropy"] * mask).sum()
     sums["sampler_gap"] += (parts["sampler_gap"].abs() * mask).sum()
     ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
@@ -2253,7 +2372,7 @@ def add_micro_batch_stats(stats, loss, parts, mask):
     stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
 
 
-def finish_update_stats(stats, args, with_kl):
+def finish_update_stats(stats, args, with_kl, with_teacher=False):
     """-> the update's metrics, reduced over ranks: means over passes (losses) or over policy tokens."""
     sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
     passes = args.ppo_epochs * args.num_minibatches
@@ -2264,6 +2383,7 @@ def finish_update_stats(stats, args, with_kl):
         "loss_policy": (sums["loss_policy"] / passes).item(),
         "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
         "kl": (sums["kl"] / tokens).item() if with_kl else None,
+        "teacher_kl": (sums["teacher_kl"] / tokens).item() if with_teacher else None,  # mean log pi_old - log pi_T
         **{name: (clipped / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None for name, clipped in (
             ("clip_frac", sums["clipped_low"] + sums["clipped_high"]), ("clip_frac_low", sums["clipped_low"]),
             ("clip_frac_high", sums["clipped_high"]))},
@@ -2308,6 +2428,11 @@ def run_eval(args, run, step, num_examples):
         watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
                               run.autocast)
         result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
+    if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
+        with on_device(run.teacher, run.device) if args.teacher_offload else nullcontext():
+            taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
+                                 run.world_size, run.autocast)
+        result.update({f"teacher_{k}": v for k, v in taught.items()})
     if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
         gathered = [None] * run.world_size if run.master else None
         dist.gather_object(replies, gathered, dst=0)
@@ -2603,7 +2728,8 @@ def leave_process_group():
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
 COMPARE_HEADER = ["run", "task", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
-                  "eval", "best eval", "pass@1", "pass@k", "kl", "clip frac", "reply len", "wall s", "tok/s"]
+                  "eval", "best eval", "pass@1", "pass@k", "kl", "teacher kl", "clip frac", "reply len", "wall s",
+                  "tok/s"]
 
 
 def eval_score_key(config, watched=""):
@@ -2687,7 +2813,8 @@ def run_summary(config, metrics, watched=()):
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-            last("kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"), mean_of("tokens_per_s")] + [
+            last("kl"), last("teacher_kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"),
+            mean_of("tokens_per_s")] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
 
@@ -2716,17 +2843,19 @@ def plot_runs(names, configurations, plot_path):
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)")
         return
-    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference"),
+    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference; dashed: to the teacher"),
               ("reply_len", "reply length")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     watched = watched_tasks(configurations)
     for ax, (key, title) in zip(axes.flat, panels):
+        extras = watched if key is None else ["teacher_kl"] if key == "kl" else []
         for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
-                                       for task in [""] + (watched if key is None else [])):
-            by_step = {}  # task: the trained one (""), or on the eval panel a watched one, dashed
+                                       for task in [""] + extras):
+            by_step = {}  # task: the trained one (""); dashed: a watched task's eval, or the KL to the teacher
             for _, config, metrics in seeds:
-                if task in config.get("scores", {"": None}):
-                    for step, value in metric_column(metrics, key or eval_score_key(config, task)):
+                if key is not None or task in config.get("scores", {"": None}):
+                    column = (task or key) if key is not None else eval_score_key(config, task)
+                    for step, value in metric_column(metrics, column):
                         by_step.setdefault(step, []).append(value)
             steps = [s for s in sorted(by_step) if len(by_step[s]) == len(seeds)]  # where every seed has a value
             if not steps:

@@ -1,0 +1,175 @@
+"""On-policy distillation (--distill-coef, --teacher, --algo distill): the term against its definition, the teacher's
+log-probs on the update's passes, and the checks around the teacher (its tokenizer, its folder, --resume)."""
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+
+import grpo
+from model import GPT, GPTConfig, save_checkpoint
+from test_generations import FIXTURES, random_model
+from test_grpo import NO_AUTOCAST, TOK, GradRecorder, args_for, run_flags, sampled_batch
+
+
+def distill_args(*flags):
+    return args_for("--algo", "distill", "--teacher", "unused", *flags)
+
+
+def other_model(seed=1):
+    """A teacher of another shape than the test batches' policy (3 layers of 48, 4 heads), the same tokenizer."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=TOK.vocab_size, n_layer=3, n_head=4, n_kv_head=4, n_embd=48))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    return grpo.frozen(model, False, False)
+
+
+def test_a_teacher_equal_to_the_policy_teaches_nothing():
+    # log pi_teacher - log pi_old = 0 at every token: the step is the one on a zero gradient (no teacher, no advantage)
+    args = distill_args()
+    model, batch = sampled_batch(args)
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, teacher=grpo.frozen(
+        copy.deepcopy(model), False, False))
+    assert stats["teacher_kl"] == 0 and all(not g.any() for g in recorder.grads[0])
+    taught, untaught = copy.deepcopy(model), copy.deepcopy(model)
+    grpo.policy_update(taught, grpo.make_optimizers(taught, args), batch, args, NO_AUTOCAST,
+                       teacher=grpo.frozen(copy.deepcopy(model), False, False))
+    stats, _ = grpo.policy_update(untaught, grpo.make_optimizers(untaught, args), batch, args, NO_AUTOCAST)
+    assert stats["no_signal_updates"] == 1 and not batch["advantages"].any()  # --advantage none: the reward's is 0
+    for (name, a), b in zip(taught.state_dict().items(), untaught.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_distillation_gradient_is_the_per_token_reverse_kl_policy_gradient():
+    # d/dtheta of E_{o ~ pi_theta} sum_t KL_t, one sample, discount 0: -(1/|tokens|) sum_t (log pi_T - log pi_theta)(o_t)
+    # grad log pi_theta(o_t), the log-ratio held fixed; in float64, on the trainer's packed passes
+    args = distill_args("--distill-coef", "0.7")
+    model, batch = sampled_batch(args)
+    model.double()
+    teacher = other_model().double()
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, teacher=teacher)
+    ids, targets, mask = batch["input_ids"], batch["target_ids"], batch["loss_mask"].double()
+    logprobs = model.token_logprobs(ids, targets)
+    with torch.no_grad():
+        teacher_logprobs = teacher.token_logprobs(ids, targets)
+    log_ratio = (teacher_logprobs - logprobs.detach()) * mask
+    loss = -(0.7 * log_ratio * logprobs * mask).sum() / mask.sum()
+    expected = torch.autograd.grad(loss, list(model.parameters()))
+    assert max((g - e).abs().max().item() for g, e in zip(recorder.grads[0], expected)) < 1e-10
+    assert abs(stats["teacher_kl"] - (-log_ratio.sum() / mask.sum()).item()) < 1e-10
+    assert sum(e.abs().sum() for e in expected) > 1e-3  # a real gradient
+
+
+def test_reward_and_teacher_teach_together_as_the_sum_of_their_gradients():
+    # --distill-coef beside a task reward: the advantage is the reply's group advantage plus the teacher's per-token
+    # term, so the gradient is the sum of the two runs' gradients
+    base = ["--algo", "reinforce", "--aggregation", "token"]
+    teacher = other_model().double()
+    grads = []
+    for flags, with_teacher in ((["--distill-coef", "0.5", "--teacher", "unused"], True), ([], False),
+                                (["--advantage", "none", "--distill-coef", "0.5", "--teacher", "unused"], True)):
+        args = args_for(*base, *flags)
+        model, batch = sampled_batch(args)
+        recorder = GradRecorder(model.double())
+        grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, teacher=teacher if with_teacher else None)
+        grads.append(recorder.grads[0])
+    both, reward, taught = grads
+    assert max((b - r - t).abs().max().item() for b, r, t in zip(both, reward, taught)) < 1e-10
+
+
+@pytest.mark.parametrize("generation", ["lambdas-windows", "smear-backout"])
+def test_teacher_logprobs_packed_equal_padded(generation):
+    # the teacher (another generation, depth and width, its windows acting) takes the student's packed passes
+    teacher = grpo.frozen(random_model(generation, sequence_len=16).double(), False, False)
+    logprobs = {}
+    for pack in ("--pack", "--no-pack"):
+        args = distill_args(pack)
+        _, batch = sampled_batch(args)
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+        for mb, lp in zip(batch["micro_batches"], grpo.frozen_logprobs(teacher, batch["micro_batches"], args,
+                                                                       NO_AUTOCAST)):
+            out[mb["rows"], :lp.size(1)] = lp * mb["loss_mask"]
+        logprobs[pack] = out
+    assert logprobs["--pack"].abs().sum() > 0
+    assert (logprobs["--pack"] - logprobs["--no-pack"]).abs().max() < 1e-10
+
+
+def teacher_folder(root, seed=1, tokenizer=TOK):
+    """A checkpoint folder as nanochat lays one out (<base>/chatsft_checkpoints/d3, <base>/tokenizer/tokenizer.pkl)
+    holding other_model(seed)."""
+    folder = root / "base" / "chatsft_checkpoints" / "d3"
+    model = other_model(seed)
+    save_checkpoint(str(folder), 5, model, {"model_config": vars(model.config)})
+    (root / "base" / "tokenizer").mkdir(exist_ok=True)
+    (root / "base" / "tokenizer" / "tokenizer.pkl").write_bytes(pickle.dumps(tokenizer.enc))
+    return folder
+
+
+def distill_run(tmp_path, name, teacher, *extra):
+    return run_flags(tmp_path, name, "--algo", "distill", "--teacher", str(teacher), *extra)
+
+
+def test_a_distilled_run_logs_the_teacher_and_resumes_only_with_the_same_one(tmp_path, capsys,
+                                                                           run_killed_after_first_save):
+    teacher = teacher_folder(tmp_path)
+    flags = distill_run(tmp_path, "taught", teacher, "--num-steps", "2", "--save-every", "1", "--eval-every", "1",
+                        "--eval-examples", "8")
+    run_killed_after_first_save(flags)
+    out = capsys.readouterr().out
+    assert f"teacher: {teacher}, step 5" in out and "teacher kl" in out and "teacher_eval_reward" in out
+    plan_line = next(line for line in out.splitlines() if line.strip().startswith("teacher model"))  # counted
+    assert plan_line.split()[-2] != "0.0"
+    teacher_folder(tmp_path, seed=2)  # other weights in the same folder, at the same step
+    with pytest.raises(SystemExit, match=r"^error: --resume: the run's teacher \(--teacher's checkpoint\) changed"):
+        grpo.main(flags + ["--resume"])
+    teacher_folder(tmp_path)  # the original back
+    grpo.main(flags + ["--resume"])
+    assert "resumed from step 1" in capsys.readouterr().out
+
+
+def test_a_missing_teacher_or_one_with_another_tokenizer_ends_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(distill_run(tmp_path, "none", tmp_path / "nowhere", "--num-steps", "1"))
+    assert str(stop.value.code).startswith("error: --teacher: no model_<step>.pt") and "\n" not in stop.value.code
+    assert not os.path.exists(tmp_path / "none" / "metrics.jsonl")
+    other = copy.deepcopy(TOK.enc)
+    other._mergeable_ranks = dict(other._mergeable_ranks)
+    other._mergeable_ranks[b"ab"] = 999  # a merge the policy's tokenizer does not have
+    teacher = teacher_folder(tmp_path, tokenizer=type("T", (), {"enc": other}))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(distill_run(tmp_path, "mismatch", teacher, "--num-steps", "1"))
+    message = str(stop.value.code)
+    assert message.startswith("error: --teacher's tokenizer (") and "tokenizer.pkl" in message
+    assert "the byte-level one of --init scratch" in message and "\n" not in message
+
+
+@pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="nanochat fixtures not present")
+def test_a_nanochat_teacher_with_its_own_tokenizer_is_refused_for_a_byte_level_student(tmp_path):
+    teacher = os.path.join(FIXTURES, "classic", "base", "chatsft_checkpoints", "d4")
+    with pytest.raises(SystemExit, match=r"^error: --teacher's tokenizer \(.*classic/base/tokenizer/tokenizer.pkl\)"):
+        grpo.main(distill_run(tmp_path, "mismatch", teacher, "--num-steps", "1"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--algo", "distill"], "--distill-coef 1 needs a teacher"),
+    (["--algo", "grpo", "--teacher", "t"], "--teacher is read only with --distill-coef > 0"),
+    (["--algo", "gspo", "--distill-coef", "1", "--teacher", "t"], "use --ratio-level token"),
+    (["--algo", "distill", "--distill-coef", "0"], "nothing would teach the policy"),
+    (["--algo", "distill", "--teacher", "t", "--distill-coef", "0"], "--teacher is read only with"),
+    (["--algo", "distill", "--teacher", "t", "--distill-coef", "-1"], "--distill-coef must be >= 0"),
+])
+def test_distillation_flags_that_cannot_work_exit_2(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.resolve_config(["--demo", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_distill_preset():
+    args = grpo.resolve_config(["--demo", "--algo", "distill", "--teacher", "t"])
+    assert (args.advantage, args.aggregation, args.ppo_epochs, args.kl_coef, args.distill_coef, args.entropy_coef) \
+        == ("none", "token", 1, 0.0, 1.0, 0.0)
+    assert grpo.resolve_config(["--demo"]).distill_coef == 0.0
