@@ -12,6 +12,7 @@ import grpo
 import model as model_module
 from model import GENERATIONS, KVCache, generate, load_checkpoint
 from test_generations import EMBEDDINGS, FIXTURES, TOK, nanochat_dir, random_model, random_tokens
+from test_distill import teacher_folder
 from test_grpo import GradRecorder, args_for, run_flags, sampled_batch
 
 BF16 = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -22,7 +23,8 @@ BF16_LOGIT_NOISE = 0.25  # four bf16 steps at the softcap's scale
 
 @pytest.mark.parametrize("algo", grpo.PRESETS)
 def test_one_bf16_step_of_every_preset(algo, tmp_path):
-    model = grpo.main(run_flags(tmp_path, algo, "--algo", algo, "--dtype", "bfloat16", "--num-steps", "2"))
+    teacher = ["--teacher", str(teacher_folder(tmp_path))] if grpo.PRESETS[algo]["distill_coef"] else []
+    model = grpo.main(run_flags(tmp_path, algo, "--algo", algo, "--dtype", "bfloat16", "--num-steps", "2", *teacher))
     metrics = [json.loads(line) for line in open(tmp_path / algo / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(v is None or v == v for m in metrics for v in m.values())  # no NaN anywhere
