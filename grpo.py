@@ -656,14 +656,11 @@ def plan_micro_batches(batch, args, static=None):
     rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch; each row's minibatch [N]).
     Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
     block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
-    same steps. With --pack (pack_micro_batch) a minibatch's rows go first-fit, longest first, into passes of at
-    most --tokens-per-pass tokens: real tokens only, tightly filled, but which rows share a pass depends on the
-    rank's share (other ranks: the same steps up to float rounding). With --device-batch-size (and always with
-    --no-pack) each question's replies go longest first, and runs of that many rows make the passes, packed or each
-    cut to its own longest row: when it divides a rank's rows, the same passes on any number of ranks. Each
-    micro-batch carries the positions its log-probs are needed at (flat indices: the loss's, and with the KL in the
-    reward every sampled token's), so that the forward passes never ask the device which they are (a host sync per
-    pass)."""
+    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
+    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
+    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
+    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
+    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -679,17 +676,7 @@ def plan_micro_batches(batch, args, static=None):
         else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
             rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
-        for chunk in passes:
-            width = max(widths[r] for r in chunk)
-            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                                       "sampler_logprobs")}  # [R, width], the rows' own layout
-            mb.update(minibatch=j, rows=torch.tensor(chunk))
-            if args.pack:  # the token ids become one sequence [1, total]; the masks stay in the rows' layout
-                mb.update(pack_micro_batch(mb, [widths[r] for r in chunk], args.tokens_per_pass, static))
-                mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
-            else:
-                mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
-            micro_batches.append(mb)
+        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
     return micro_batches, torch.tensor(counts, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
@@ -725,49 +712,20 @@ def frozen_logprobs(net, micro_batches, args, autocast):
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
     """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
     owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
-    teacher: --distill-coef's frozen teacher, whose log-probs are taken on the same passes as pi_ref's.
-    With --kl-placement reward the batch's advantages are rebuilt here, from rewards minus the KL."""
+    teacher: --distill-coef's frozen teacher."""
     micro_batches = batch["micro_batches"]
-    minibatches = [[i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j]
-                   for j in range(args.num_minibatches)]
-    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
-    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
-    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
-    # all of them when the KL is a reward term, which needs pi_old before the advantages.
     start = time.time()
-    kl_in_reward = ref_model is not None and args.kl_placement == "reward"
-    old_logprobs = [None] * len(micro_batches)
-    later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
-    for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
-        old_logprobs[i] = logprobs
-    ref_logprobs = None
-    if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
-        with ref_model.lora_disabled(), on_device(ref_model, batch["advantages"].device) if args.ref_offload \
-                else nullcontext():
-            ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
-    teacher_logprobs = [None] * len(micro_batches)
-    if teacher is not None:
-        with on_device(teacher, batch["advantages"].device) if args.teacher_offload else nullcontext():
-            teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
-    if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
-        penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
-        for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
-            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
-        rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
-        batch["advantages"] = group_advantages(rewards, args.advantage).flatten()
-    advantages = batch["advantages"][:, None]  # [N, 1]
+    old_logprobs, ref_logprobs, teacher_logprobs = frozen_terms(model, batch, args, autocast, ref_model, teacher)
     time_logprobs = time.time() - start
+    advantages = batch["advantages"][:, None]  # [N, 1]
     # every minibatch's normaliser, policy tokens and tokens with a non-zero advantage, summed over ranks: one read
     # from the device per update
     counts = all_reduce(torch.cat([batch["minibatch_counts"].to(advantages.device),
                                    signal_tokens(batch, args)], dim=1)).tolist()
-
     stats = update_stats(advantages.device)
     model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
     for _ in range(args.ppo_epochs):
-        for j, minibatch in enumerate(minibatches):
-            denominator, tokens, signal = counts[j]
+        for j, (denominator, tokens, tokens_with_advantage) in enumerate(counts):
             if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
                 stats["empty_updates"] += 1
                 continue
@@ -775,39 +733,74 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             # zero gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
             # which normalise a step's scale, would turn it into a full step away from the reference
             # (docs/algorithm.md). Its forward still runs, without a graph: pi_old and the logged terms.
-            signal = signal > 0 or args.entropy_coef > 0 or teacher is not None
+            signal = tokens_with_advantage > 0 or args.entropy_coef > 0 or teacher is not None
             stats["no_signal_updates"] += not signal
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
-            for i in minibatch:
+            for i in (i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j):
                 mb = micro_batches[i]
                 with autocast, torch.set_grad_enabled(signal):
                     logprobs, entropy = logprobs_of(model, mb, args, with_entropy=True)
-                    if not stats["stepped"]:
+                    if not stats["stepped"]:  # before the first step pi_old is pi_theta: rho = 1 exactly
                         old_logprobs[i] = logprobs.detach()
                     mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
                                       if args.aggregation == "nanochat" else denominator)
-                    loss, parts = objective(logprobs, entropy, old_logprobs[i],
-                                            ref_logprobs[i] if ref_model is not None else None,
+                    loss, parts = objective(logprobs, entropy, old_logprobs[i], ref_logprobs[i],
                                             mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
                                             mb_denominator, args, teacher_logprobs[i])
                 if signal:
                     loss.backward()
                 minibatch_loss += loss.detach()
                 add_micro_batch_stats(stats, loss, parts, mb["loss_mask"])
-            if not signal:
-                for p in trainable:
-                    p.grad = torch.zeros_like(p)
-            # Each rank's loss is its share of the global mean, so the global gradient is the *sum* over ranks.
-            reduce_gradients(trainable, owners)
-            if not torch.isfinite(all_reduce(minibatch_loss.clone())):
-                stats["skipped_updates"] += 1  # never step on a NaN/inf: the weights stay as they were
-                model.zero_grad(set_to_none=True)
-                continue
-            optimizer_step(model, optimizers, stats, args.grad_clip, owners)
-            model.zero_grad(set_to_none=True)
-            stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
+            minibatch_step(model, optimizers, stats, minibatch_loss, signal, args, owners)
     return finish_update_stats(stats, args, with_kl=ref_model is not None, with_teacher=teacher is not None), \
         time_logprobs
+
+
+def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
+    """The update's frozen log-probs, one [R, width] per micro-batch (None where not taken): pi_old where a pass
+    needs it before its own forward, pi_ref and the teacher's -> (old, ref, teacher). With --kl-placement reward
+    the batch's advantages are rebuilt here, from the rewards minus the KL."""
+    micro_batches = batch["micro_batches"]
+    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
+    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
+    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
+    # all of them when the KL is a reward term, which needs pi_old before the advantages.
+    kl_in_reward = ref_model is not None and args.kl_placement == "reward"
+    none = [None] * len(micro_batches)
+    old_logprobs, ref_logprobs, teacher_logprobs = list(none), none, none  # pi_old: also filled in by the update
+    later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
+    for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
+        old_logprobs[i] = logprobs
+    device = batch["advantages"].device
+    if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
+        with ref_model.lora_disabled(), on_device(ref_model, device) if args.ref_offload else nullcontext():
+            ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
+    if teacher is not None:  # on the same passes
+        with on_device(teacher, device) if args.teacher_offload else nullcontext():
+            teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
+    if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
+        penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
+        for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
+            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
+        rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
+        batch["advantages"] = group_advantages(rewards, args.advantage).flatten()
+    return old_logprobs, ref_logprobs, teacher_logprobs
+
+
+def minibatch_step(model, optimizers, stats, minibatch_loss, signal, args, owners):
+    """A minibatch's optimizer step, after its backward passes: on a zero gradient without policy signal, on the
+    gradients summed over ranks (each rank's loss is its share of the global mean), never on a non-finite loss."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not signal:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+    reduce_gradients(trainable, owners)
+    if not torch.isfinite(all_reduce(minibatch_loss.clone())):
+        stats["skipped_updates"] += 1  # the weights stay as they were
+    else:
+        optimizer_step(model, optimizers, stats, args.grad_clip, owners)
+        stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
+    model.zero_grad(set_to_none=True)
 
 
 def signal_tokens(batch, args):
@@ -1056,7 +1049,7 @@ def resolve_config(argv=None):
             args.device_batch_size = 8
     if args.run_name is None:
         task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
-        prefix = "demo" if args.demo and task == "sort" else f"demo-{task}" if args.demo else task
+        prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
         args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
     check_config(args)
     return args
@@ -1406,6 +1399,60 @@ def start_run(args, run_dir, rank, writes):
     False (evaluating a checkpoint) nothing is written into the run folder."""
     if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # before ranks meet
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
+    world_size, device, master, log, dtype, autocast = start_process(args, rank)
+    train_task, test_task, watched = read_tasks(args)
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes")}
+    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
+    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+    for note in args.notes:
+        log(f"note: {note}")
+    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
+        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
+                                                                   " (its test split)"))
+    longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
+    for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
+        config[k] = getattr(args, k)  # the run folder says what ran
+    rows = minibatch_rows(args, world_size)
+    # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as a
+    # minibatch holds
+    static_pack = (rows, longest_prompt + args.max_new_tokens - 1) if args.compile and args.pack else None
+    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype, log)
+    teacher = teacher_digest = None
+    if args.distill_coef > 0:
+        teacher, teacher_digest = load_teacher(args, tokenizer, log)
+        teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
+                         args.teacher_offload and device.type == "cuda")
+        teacher.use_compile = args.compile
+    record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest)
+    run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
+                          train_task=train_task, test_task=test_task, watched=watched, model=model,
+                          tokenizer=tokenizer,
+                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners,
+                          config=config, static_pack=static_pack,
+                          run_dir=run_dir, tag=tag,
+                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
+                          signal_less_steps=0,
+                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
+    if args.resume:
+        run.start_step = resume(args, run)
+        log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
+    if args.self_check if args.self_check is not None else device.type == "cuda":
+        self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
+    wall_before = write_run_files(args, run) if writes else 0.0
+    run.wall_start = time.time() - wall_before
+    run.wandb = None
+    if args.wandb and master:
+        import wandb
+        run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
+    return run
+
+
+def start_process(args, rank):
+    """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
+    prints), dtype, autocast)."""
     # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1424,6 +1471,12 @@ def start_run(args, run_dir, rank, writes):
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
     torch.manual_seed(args.seed)
+    return world_size, device, master, log, dtype, autocast
+
+
+def read_tasks(args):
+    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data,
+    before the configuration is printed. Sets --num-steps where it waited for the data (one epoch)."""
     try:  # what can fail on bad input, before the configuration is printed: the tasks' data, the start checkpoint
         train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
@@ -1438,22 +1491,12 @@ def start_run(args, run_dir, rank, writes):
     if args.prompts_per_step > len(train_task):
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
-    config = {k: v for k, v in vars(args).items()
-              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes")}
-    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
-    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
-    for note in args.notes:
-        log(f"note: {note}")
-    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
-        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
-                                                                   " (its test split)"))
-    longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
-    for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
-        config[k] = getattr(args, k)  # the run folder says what ran
-    rows = minibatch_rows(args, world_size)
-    # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as a
-    # minibatch holds
-    static_pack = (rows, longest_prompt + args.max_new_tokens - 1) if args.compile and args.pack else None
+    return train_task, test_task, watched
+
+
+def build_models(args, config, world_size, device, dtype, log):
+    """The start policy on the device, its optimizers (and each weight's owning rank when sharded) and the reference
+    -> (model, tokenizer, tag, optimizers, owners, ref_model)."""
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1476,14 +1519,16 @@ def start_run(args, run_dir, rank, writes):
     else:
         ref_model = frozen(copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16",
                            args.ref_offload and device.type == "cuda")
-    config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),  # checked on --resume
+    return model, tokenizer, tag, optimizers, owners, ref_model
+
+
+def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
+    """config.json's "inputs" (sha256 of what the run depends on besides its flags, checked on --resume) and
+    "scores" (what --compare ranks by)."""
+    config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
-    teacher = None
-    if args.distill_coef > 0:
-        teacher, config["inputs"]["teacher"] = load_teacher(args, tokenizer, log)
-        teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
-                         args.teacher_offload and device.type == "cuda")
-        teacher.use_compile = args.compile
+    if teacher_digest is not None:
+        config["inputs"]["teacher"] = teacher_digest
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
     own_grader = [args.grader] if args.grader not in GRADERS else []
     for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
@@ -1493,29 +1538,6 @@ def start_run(args, run_dir, rank, writes):
             config["inputs"][f"code:{spec}"] = code["sha256"]
     for name, task in watched.items():
         config["inputs"][f"watched:{name}"] = task.fingerprint()
-    run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
-                          train_task=train_task, test_task=test_task, watched=watched, model=model,
-                          tokenizer=tokenizer,
-                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
-                          static_pack=static_pack,
-                          run_dir=run_dir, tag=tag,
-                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0,
-                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
-    if args.resume:
-        run.start_step = resume(args, run)
-        log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
-    if args.self_check if args.self_check is not None else device.type == "cuda":
-        self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
-    wall_before = write_run_files(args, run) if writes else 0.0
-    run.wall_start = time.time() - wall_before
-    run.wandb = None
-    if args.wandb and master:
-        import wandb
-        run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
-    return run
 
 
 # The self-check's bound: a fast path may be at most this many times as far from the float32 plain path as the
@@ -2172,13 +2194,21 @@ SEMANTICS = {
                       "KL(pi_theta || pi_ref) (it was 0 in expectation)"),
     "no_signal_kl_free": (lambda c: c.get("kl_coef") and c.get("kl_placement") in (None, "loss") and not
                           c.get("entropy_coef"), "an optimizer step without policy signal is the KL-free one"),
-    "distinct_questions": (lambda c: c.get("task") != "sort",  # the sort task's one epoch never ends
+    "distinct_questions": (lambda c: task_attribute(c.get("task"), "epochs_end", True),  # (sort's never do)
                            "a step that straddles two epochs takes each question once"),
 }
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data ({})", "test": "test data ({})", "tokenizer": "tokenizer (tokenizer.pkl of the start "
           "checkpoint)", "code": "task code", "watched": "data of the watched task",
           "teacher": "teacher (--teacher's checkpoint)"}
+
+
+def task_attribute(spec, name, default):
+    """A class attribute of the task a (possibly old) run's config names; default when it names none that loads."""
+    try:
+        return getattr(task_class(spec), name, default)
+    except (OSError, ValueError, ImportError, TypeError, AttributeError):
+        return default
 
 
 def resume(args, run):
@@ -2204,7 +2234,7 @@ def resume(args, run):
         run_config.setdefault(k, v)
     for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
         if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
-            flag = "--gsm8k-dir" if args.task == "gsm8k" else "--task" if name == "train" else "--task-test"
+            flag = task_class(args.task).data_flags.get(name, "--task")
             sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]].format(flag)}"
                      f"{name.partition(':')[2] and ' '}"
                      f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
@@ -2553,6 +2583,23 @@ def first_fit_decreasing(rows, widths, budget):
     return passes
 
 
+def micro_batch(batch, rows, minibatch, widths, needed, args, static):
+    """One forward/backward pass of the update: these rows of the batch, cut to their longest width [R, width] (the
+    rows' own layout), with --pack their token ids as one sequence [1, total] (pack_micro_batch). It carries the
+    positions its log-probs are needed at (flat indices of `needed`: the loss mask, or with the KL in the reward
+    every sampled token), so that the forward passes never ask the device which they are (a host sync per pass)."""
+    width = max(widths[r] for r in rows)
+    mb = {k: batch[k][rows, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                              "sampler_logprobs")}
+    mb.update(minibatch=minibatch, rows=torch.tensor(rows))
+    if args.pack:  # the masks stay in the rows' layout
+        mb.update(pack_micro_batch(mb, [widths[r] for r in rows], args.tokens_per_pass, static))
+        mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
+    else:
+        mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
+    return mb
+
+
 def pack_micro_batch(mb, widths, budget, static):
     """A micro-batch's rows [R, width] as one packed sequence: -> its input_ids and target_ids as [1, total],
     the pack GPT.hidden takes, and row_positions [R, width] (each row token's flat position in the sequence). total:
@@ -2734,7 +2781,7 @@ COMPARE_HEADER = ["run", "task", "algo", "advantage", "seeds", "steps", "reward(
 
 def eval_score_key(config, watched=""):
     """The metric that ranks runs: of the trained task, or of a watched one (--eval-task) by its name."""
-    scores = config.get("scores") or {"": {"gsm8k": "strict"}.get(config["task"], "reward")}  # runs from before
+    scores = config.get("scores") or {"": task_attribute(config["task"], "score", "reward")}  # runs from before
     return f"eval_{watched + '_' if watched else ''}{scores[watched]}"
 
 

@@ -35,6 +35,8 @@ class Task:
     tool = None
     score = "reward"
     reward_terms = ("reward",)
+    data_flags = {"train": "--task", "test": "--task-test"}  # the flags that name its data (a resume's messages)
+    epochs_end = True  # its train split is read in epochs (prompt_indices)
 
     def reward_parts(self, conversation, reply_text):
         return {"reward": self.reward(conversation, reply_text)}

@@ -211,6 +211,7 @@ def find_split(split, data_dir=None, url=OFFICIAL_URL):
 class GSM8K(Task):
     tool = staticmethod(calculator)
     score = "strict"
+    data_flags = {"train": "--gsm8k-dir", "test": "--gsm8k-dir"}
 
     def __init__(self, split="train", data_dir=None, url=OFFICIAL_URL):
         if split not in SPLIT_ROWS:

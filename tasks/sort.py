@@ -12,6 +12,7 @@ from tasks import Task
 
 
 class Sort(Task):
+    epochs_end = False  # problems drawn from a seed without end: a step never straddles two epochs
     def __init__(self, split="train", length=5, seed=0, num_test=256):
         if split not in ("train", "test"):
             raise ValueError(f"sort split must be train or test, got {split!r}")
