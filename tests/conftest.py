@@ -77,8 +77,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
 
 
+# The tests that take 5-15 s each (whole runs in other processes, learning from scratch): run first, so that under
+# pytest -n the two workers do not end with one of them alone on a long test.
+LONG_FIRST = ("rank_runs", "test_faults_launch.py", "learned_from_scratch", "learns_from_random_weights",
+              "pristine")
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--slow"):
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="slow: run with --slow"))
+    items.sort(key=lambda item: not any(key in item.nodeid or key in item.fixturenames for key in LONG_FIRST))
