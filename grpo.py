@@ -1238,8 +1238,9 @@ def pass_activations(c, tokens):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
     bytes per token, layer and unit of width, and the head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an
     element (token_logprobs). Measured, not derived: 75-76 on an H200 at d20 under bf16 autocast (the residual
-    stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block),
-    and about as much in float32 on the CPU (tests/bench_memory.py): docs/memory.md."""
+    stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block);
+    the plan came within 4% of torch's allocated peak there (docs/performance.md). A CPU's resident set grows less
+    (tests/bench_memory.py --modes): the plan errs on the safe side there."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
     return tokens * c.n_layer * 76 * c.n_embd + head_positions * c.vocab_size * 24
 
