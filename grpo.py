@@ -2185,7 +2185,7 @@ SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_si
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
-         "decode": "auto", "self_check": None, "save_on_stop": False}
+         "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)

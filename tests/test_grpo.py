@@ -712,7 +712,7 @@ def test_a_run_from_before_the_newest_flags_resumes_as_it_ran(tmp_path, run_kill
     config = json.load(open(config_path))
     # (a run from before --pack resumes packed, noted: the same steps up to rounding, like the other memory flags)
     for k in ("shard_optimizer", "ref_offload", "sample_batch_size", "pass_size", "policy_loss", "sapo_tau_pos", "sapo_tau_neg", "reward_combination", "task_test", "grader",
-              "calculator", "eval_task", "scores"):
+              "calculator", "eval_task", "scores", "distill_coef", "teacher", "teacher_step", "teacher_offload"):
         del config[k]
     config_path.write_text(json.dumps(config))
     capsys.readouterr()
