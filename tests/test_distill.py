@@ -136,6 +136,9 @@ def test_a_missing_teacher_or_one_with_another_tokenizer_ends_in_one_line(tmp_pa
         grpo.main(distill_run(tmp_path, "none", tmp_path / "nowhere", "--num-steps", "1"))
     assert str(stop.value.code).startswith("error: --teacher: no model_<step>.pt") and "\n" not in stop.value.code
     assert not os.path.exists(tmp_path / "none" / "metrics.jsonl")
+    present = teacher_folder(tmp_path / "present")
+    with pytest.raises(SystemExit, match=r"^error: --teacher-step 7: .* holds steps \[5\]$"):
+        grpo.main(distill_run(tmp_path, "step", present, "--teacher-step", "7", "--num-steps", "1"))
     other = copy.deepcopy(TOK.enc)
     other._mergeable_ranks = dict(other._mergeable_ranks)
     other._mergeable_ranks[b"ab"] = 999  # a merge the policy's tokenizer does not have
