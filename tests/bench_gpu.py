@@ -6,6 +6,7 @@ GPU benchmark: rollouts and training steps of nanochat-shaped models, next to th
     python tests/bench_gpu.py --smoke                  # the same code on a tiny shape, any device (a quick check)
     python tests/bench_gpu.py --shapes d20 --part eager        # one part a command: rollouts, eager, compiled
     python tests/bench_gpu.py --shapes d20 --part compiled --profile
+    python tests/bench_gpu.py --shapes d20 --part compiled --algos grpo --layouts packed --no-self-check  # the default
 
 Each row is printed as soon as it is measured, so a run cut short by a time limit keeps what it measured.
 
@@ -62,6 +63,8 @@ parser.add_argument("--smoke", action="store_true", help="tiny shape and batch o
 parser.add_argument("--device", default="cuda")
 parser.add_argument("--part", default="all", choices=["all", "rollouts", "eager", "compiled"],
                     help="rollouts, the eager steps or the compiled steps alone (each fits a 10-minute command)")
+parser.add_argument("--algos", default="reinforce,grpo", help="the training steps' --algo, comma-separated")
+parser.add_argument("--layouts", default="rows,packed", help="rows (padded, --no-pack), packed, or both")
 parser.add_argument("--no-self-check", dest="self_check", action="store_false",
                     help="skip the fast paths' check before the timings (its compile: ~75 s on a fresh machine)")
 parser.add_argument("--profile", action="store_true", help="the 15 CUDA kernels of each timed update (torch.profiler)")
@@ -210,7 +213,8 @@ def training_step(model, prompts, algo, compiled, layout):
     if compiled:
         _, compile_seconds = timed(update)
         print(f"  (compiling {algo}'s forwards and backward, and one update: {compile_seconds:.0f} s)")
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if args.profile and cuda \
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) \
+        if args.profile and cuda \
         else grpo.nullcontext()
     with profiler:
         (stats, time_logprobs), seconds = timed(update)
@@ -232,7 +236,8 @@ def training_step(model, prompts, algo, compiled, layout):
           f"{grpo.size(next(v for k, v in plan.items() if 'activations' in k))}); + the bench's model "
           f"{grpo.size(plan['weights (float32)'])}")
     if args.profile and cuda:
-        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 
 bandwidth = copy_bandwidth()
@@ -252,11 +257,12 @@ for shape in args.shapes.split(","):
         for compiled in ((False, True) if cuda else (False,)):  # compiling on a CPU takes minutes
             if args.part != "all" and compiled != (args.part == "compiled"):
                 continue
-            for algo in ("reinforce", "grpo"):
+            for algo in args.algos.split(","):
                 rows, tokens = fitted_sizes(model, algo)
                 print(f"  {algo}: the memory plan fits {rows} padded rows or {tokens} packed tokens a pass")
-                for layout in dict.fromkeys([("rows", args.device_batch_size), ("rows", rows),
-                                             ("tokens", args.tokens_per_pass or tokens), ("tokens", tokens)]):
+                layouts = [("rows", args.device_batch_size), ("rows", rows)] * ("rows" in args.layouts) + \
+                    [("tokens", args.tokens_per_pass or tokens), ("tokens", tokens)] * ("packed" in args.layouts)
+                for layout in dict.fromkeys(layouts):
                     try:
                         training_step(model, prompts, algo, compiled, layout)
                     except torch.OutOfMemoryError as e:  # a plan that fits more than the device holds: a finding
