@@ -1304,7 +1304,7 @@ def test_a_packed_update_takes_the_unpacked_steps(flags):
 
 def test_the_compiled_update_builds_its_graphs_once_for_packed_passes_of_any_length(monkeypatch):
     # Static packed passes: every pass has the budget's tokens and the pack's fixed shapes, so the compiled forward
-    # meets one shape; batches of other reply lengths add no graph. (Counted with dynamo's own counter as backend.)
+    # meets one shape, and the compiled head's graph is dynamic; batches of other reply lengths add no graph. (Counted with dynamo's own counter as backend.)
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
     import model as model_module
@@ -1312,6 +1312,7 @@ def test_the_compiled_update_builds_its_graphs_once_for_packed_passes_of_any_len
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, options=None: compile_(fn, dynamic=dynamic,
                                                                                           backend=counter))
     model_module.compiled_hidden.cache_clear()
+    model_module.compiled_head_logprobs.cache_clear()
     torch._dynamo.reset()
     try:
         args = args_for("--algo", "grpo", "--num-minibatches", "2", "--tokens-per-pass", "40")
@@ -1328,6 +1329,7 @@ def test_the_compiled_update_builds_its_graphs_once_for_packed_passes_of_any_len
         assert len(widths) == 3 and graphs[0] > 0 and graphs[0] == graphs[1] == graphs[2], graphs
     finally:
         model_module.compiled_hidden.cache_clear()
+        model_module.compiled_head_logprobs.cache_clear()
         torch._dynamo.reset()
 
 
