@@ -1188,13 +1188,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1)
         activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens))
+                       pass_activations(c, tokens, args.compile))
     elif args.pack:
         activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass))
+                       pass_activations(c, args.tokens_per_pass, args.compile))
     else:
         activations = (f"update: activations of {micro_rows} rows (estimate)",
-                       pass_activations(c, micro_rows * length))
+                       pass_activations(c, micro_rows * length, args.compile))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
@@ -1234,15 +1234,16 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
-def pass_activations(c, tokens):
+def pass_activations(c, tokens, compiled):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
-    bytes per token, layer and unit of width, and the head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an
-    element (token_logprobs). Measured, not derived: 75-76 on an H200 at d20 under bf16 autocast (the residual
+    bytes per token, layer and unit of width eager, ~60 compiled (inductor keeps fewer intermediates), and the
+    head's one chunk of at most HEAD_CHUNK logits at ~16 bytes an element (token_logprobs). Measured, not derived:
+    75-76 eager and 59.9 compiled (`reinforce` and `grpo` alike) on an H200 at d20 under bf16 autocast (the residual
     stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block);
-    the plan came within 4% of torch's allocated peak there (docs/performance.md). A CPU's resident set grows less
-    (tests/bench_memory.py --modes): the plan errs on the safe side there."""
+    the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 16.0-16.4
+    at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
-    return tokens * c.n_layer * 76 * c.n_embd + head_positions * c.vocab_size * 24
+    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * 16
 
 
 def size(n):
@@ -1321,9 +1322,9 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
     if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
         # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t)
-                + (exact_attention_bytes(model.config, args, world_size, longest_row, compute_bytes, t) if exact
-                   else 0) <= room]
+        fits = [t for t in range(128, rows * longest_row + 128, 128)
+                if pass_activations(model.config, t, args.compile) + (exact_attention_bytes(
+                    model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
                                      sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))

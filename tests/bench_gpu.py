@@ -168,7 +168,7 @@ def update_flops(model, batch, passes):
     return passes * flops
 
 
-def fitted_sizes(model, algo):
+def fitted_sizes(model, algo, compiled):
     """The rows a padded pass and the tokens a packed pass that grpo.py's memory plan fits on this device (its
     --device-batch-size and --tokens-per-pass defaults on a GPU)."""
     gc.collect()  # what the last steps held, freed before the free memory is read
@@ -176,6 +176,7 @@ def fitted_sizes(model, algo):
         torch.cuda.empty_cache()
     plan_args = grpo.resolve_config(["--algo", algo, "--prompts-per-step", str(args.prompts), "--num-samples",
                                      str(args.samples), "--max-new-tokens", str(args.new_tokens)])
+    plan_args.compile = compiled
     free = torch.cuda.mem_get_info(device)[0] if cuda else 2 ** 30
     sizes = []
     for pack in (False, True):
@@ -196,6 +197,7 @@ def training_step(model, prompts, algo, compiled, layout):
              "--max-new-tokens", str(args.new_tokens)] + (
         ["--no-pack", "--device-batch-size", str(size)] if kind == "rows" else ["--tokens-per-pass", str(size)])
     step_args = grpo.resolve_config(flags)
+    step_args.compile = compiled  # as a run's start sets it
     policy = copy.deepcopy(model)
     policy.use_compile = compiled  # as grpo.py's --compile, before the reference copy
     optimizers = grpo.make_optimizers(policy, step_args)
@@ -258,7 +260,7 @@ for shape in args.shapes.split(","):
             if args.part != "all" and compiled != (args.part == "compiled"):
                 continue
             for algo in args.algos.split(","):
-                rows, tokens = fitted_sizes(model, algo)
+                rows, tokens = fitted_sizes(model, algo, compiled)
                 print(f"  {algo}: the memory plan fits {rows} padded rows or {tokens} packed tokens a pass")
                 layouts = [("rows", args.device_batch_size), ("rows", rows)] * ("rows" in args.layouts) + \
                     [("tokens", args.tokens_per_pass or tokens), ("tokens", tokens)] * ("packed" in args.layouts)

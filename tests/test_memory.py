@@ -102,12 +102,14 @@ def test_on_a_gpu_the_update_takes_as_many_rows_a_pass_as_the_plan_fits():
     assert chosen[0] < chosen[1] < chosen[2] < chosen[3] == 256, chosen
 
 
-def test_on_a_gpu_a_packed_pass_takes_as_many_tokens_as_the_plan_fits():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_on_a_gpu_a_packed_pass_takes_as_many_tokens_as_the_plan_fits(compiled):
     chosen = []
     for free_gib in (2.5, 4, 6, 1000):
         args = args_for("--algo", "grpo", "--init", "scratch", "--depth", "12", "--n-embd", "768", "--n-head", "6",
                         "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256")
         args.device_batch_size = args.sample_batch_size = args.tokens_per_pass = None  # not given, as on a GPU
+        args.compile = compiled  # a compiled pass keeps fewer bytes a token (pass_activations): more tokens fit
         shape, _, _ = grpo.load_policy(args, quiet, shapes_only=True)
         free = free_gib * 2 ** 30
         plan, _ = grpo.fitted_plan(shape, args, 1, 100, "bfloat16", free, gpu=True)
@@ -125,6 +127,13 @@ def test_on_a_gpu_a_packed_pass_takes_as_many_tokens_as_the_plan_fits():
         assert tokens == longest_row or update_peak(tokens) <= 0.9 * free
         chosen.append(tokens)
     assert chosen[0] < chosen[1] < chosen[2] < chosen[3], chosen
+    if compiled:  # at 4 and 6 GiB (2.5 fits the longest row, 1000 the whole step either way): more than eager
+        eager = args_for("--algo", "grpo", "--init", "scratch", "--depth", "12", "--n-embd", "768", "--n-head", "6",
+                         "--prompts-per-step", "16", "--num-samples", "16", "--max-new-tokens", "256")
+        eager.device_batch_size = eager.sample_batch_size = eager.tokens_per_pass = None
+        eager.compile = False
+        grpo.fitted_plan(shape, eager, 1, 100, "bfloat16", 6 * 2 ** 30, gpu=True)
+        assert chosen[2] > eager.tokens_per_pass, (chosen, eager.tokens_per_pass)
 
 
 def test_a_plan_that_cannot_fit_stops_before_the_checkpoint_is_read(tmp_path, monkeypatch):
@@ -181,7 +190,7 @@ def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_b
     model, _, _ = grpo.load_policy(args, None, shapes_only=True)
     plan = grpo.memory_plan(model, args, 1, longest_prompt, "float32")
     rows = next(v for k, v in plan.items() if k.startswith("update: activations"))
-    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1))
+    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1), args.compile)
     def update_oom():
         grpo.policy_update(None, None, None, None, None)
     try:
