@@ -8,6 +8,7 @@ interleaved, --repeats rounds; the table gives the median.
     python tests/bench_memory.py --device cuda --depth 20       # on a GPU: peak allocated instead of peak RSS
     python tests/bench_memory.py --plan                         # the memory plan of d20-d32 on 1 and 8 GPUs
     python tests/bench_memory.py --modes --new-tokens 256       # plan vs peak of each way to form the update's passes
+    python tests/bench_memory.py --modes --allocated            # on the CPU also torch's allocated peak (slow)
 
 --plan prints, in seconds and without running anything, the plan a run prints at its start (grpo.memory_plan) for
 nanochat's newest generation at depths 20, 24, 26 and 32, for `reinforce`, `grpo` with KL (bf16 reference) and
@@ -16,7 +17,8 @@ default sampling chunk a GPU run picks (as many replies as fit).
 
 The model is nanochat's shape for --depth (width 64 x depth, head size 128, vocabulary 65,536, every generation's
 extra tables) with random weights, saved as a nanochat checkpoint that grpo.py starts from; the step is grpo.py's
-own (sampling, old / reference log-probs, two epochs of updates) on the sort task under bf16 autocast. On the CPU
+own (sampling, old / reference log-probs, two epochs of updates) on the sort task under bf16 autocast, with random
+rewards (the random model never sorts: with equal rewards no update would run). On the CPU
 "peak" is the peak resident set of the process during the step (Linux: reset just before it), which includes the
 Python process itself (the "idle" row); on a GPU it is torch's peak allocated memory. Not collected by pytest.
 """
@@ -52,6 +54,8 @@ parser.add_argument("--child", nargs=2, metavar=("INIT", "SETTING"), help=argpar
 parser.add_argument("--plan", action="store_true", help="print the memory plans of d20-d32 (no run)")
 parser.add_argument("--gpu-gib", type=float, default=79.0, help="--plan: free memory of one GPU (an H100 80GB: ~79)")
 parser.add_argument("--prompt-tokens", type=int, default=256, help="--plan: the longest prompt, tokens")
+parser.add_argument("--allocated", action="store_true", help="on the CPU also torch's allocated peak, from the "
+                    "profiler's allocation events (minutes a step)")
 parser.add_argument("--modes", action="store_true", help="the update's passes formed each way: padded rows, packed "
                     "by a token budget, packed whole rows; the plan's peak next to the measured one")
 args = parser.parse_args()
@@ -117,6 +121,13 @@ def child(init, setting):
         try:
             run = grpo.start_run(run_args, os.path.join(run_args.runs_dir, "run"), 0, writes=False)
             grpo.save_training_state = lambda *a, **k: None  # the step only, not its checkpoint
+            sample_groups = grpo.sample_groups
+
+            def random_rewards(*a, **k):  # a random model never sorts: equal rewards, no update would run
+                groups = sample_groups(*a, **k)
+                groups["rewards"] = torch.rand(groups["rewards"].shape, generator=torch.Generator().manual_seed(0))
+                return groups
+            grpo.sample_groups = random_rewards
             cuda = run.device.type == "cuda"
             if cuda:
                 torch.cuda.synchronize()
@@ -126,9 +137,11 @@ def child(init, setting):
                 before = resident_mb("VmRSS")
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")  # reset the peak resident set (VmHWM) to the current one
-            # on the CPU also torch's own count, as a GPU's: every allocation and free the profiler records
-            profiler = grpo.nullcontext() if cuda else torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            # --allocated: on the CPU also torch's own count, as a GPU's: every allocation and free the profiler
+            # records (slow: minutes a step)
+            counting = args.allocated and not cuda
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                              profile_memory=True) if counting else grpo.nullcontext()
             start = time.perf_counter()
             with profiler:
                 grpo.train(run_args, run)
@@ -138,8 +151,9 @@ def child(init, setting):
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else resident_mb("VmHWM")
             events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
                             if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU) \
-                if not cuda else []
-            allocated = peak - before if cuda else max(itertools.accumulate(n for _, n in events)) / 2 ** 20
+                if counting else []
+            allocated = peak - before if cuda else max(itertools.accumulate(n for _, n in events)) / 2 ** 20 \
+                if counting else float("nan")
             longest = run.train_task.longest_prompt(run.tokenizer)
             plan = grpo.memory_plan(run.model, run_args, 1, longest, "bfloat16")
         finally:
@@ -170,7 +184,8 @@ def main():
                     out = subprocess.run([sys.executable, __file__, "--device", args.device, "--depth", str(args.depth),
                                           "--lora-rank", str(args.lora_rank), "--prompts", str(args.prompts),
                                           "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-                                          *(["--modes"] if args.modes else []), "--child", init, setting],
+                                          *(["--modes"] if args.modes else []),
+                                          *(["--allocated"] if args.allocated else []), "--child", init, setting],
                                          capture_output=True, text=True)
                     if out.returncode:
                         sys.exit(f"{setting}: {out.stderr.strip().splitlines()[-1]}")
