@@ -1237,13 +1237,14 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
 def pass_activations(c, tokens, compiled):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
     bytes per token, layer and unit of width eager, ~60 compiled (inductor keeps fewer intermediates), and the
-    head's one chunk of at most HEAD_CHUNK logits at ~16 bytes an element (token_logprobs). Measured, not derived:
+    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element (token_logprobs with the entropies the
+    update always computes; 16 without). Measured, not derived:
     75-76 eager and 59.9 compiled (`reinforce` and `grpo` alike) on an H200 at d20 under bf16 autocast (the residual
     stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block);
-    the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 16.0-16.4
+    the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 24.0-24.4
     at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
-    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * 16
+    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * 24
 
 
 def size(n):

@@ -90,8 +90,8 @@ GENERATIONS = {  # oldest first; the names are those of the test fixtures
 }
 MASKED_CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CHECKPOINT_LOGITS = 2 ** 24  # token_logprobs recomputes the head's logits in the backward from this size (64 MiB)
-HEAD_CHUNK = 2 ** 27  # logits a chunk of token_logprobs' head, at most: a chunk's backward holds ~16 bytes an
-# element (bf16 and float32 logits, log-softmax, their gradients; measured), 2.1 GB at this size
+HEAD_CHUNK = 2 ** 27  # logits a chunk of token_logprobs' head, at most: a chunk's backward holds ~24 bytes an
+# element with the entropies (bf16 and float32 logits, log-softmax, its exp, their gradients; measured), 3.2 GB here
 SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
 
 

@@ -310,7 +310,7 @@ def test_head_recomputed_in_the_backward_or_kept_gives_the_same_gradients(with_e
 
 
 def test_the_heads_chunks_hold_at_most_HEAD_CHUNK_logits_as_the_memory_plan_counts(monkeypatch):
-    # A chunk's backward holds ~16 bytes a logit: chunks of HEAD_CHUNK // V positions by default (16,384 positions
+    # A chunk's backward holds ~24 bytes a logit: chunks of HEAD_CHUNK // V positions by default (16,384 positions
     # at V = 65,536 held 16 GiB on a GPU), the same numbers as one chunk, and the plan counts one such chunk
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=32, vocab_size=300, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
