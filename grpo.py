@@ -693,9 +693,10 @@ def to_device(batch, device):
 
 def logprobs_of(net, mb, args, with_entropy=False):
     """A micro-batch's log-probs (and entropies) in its rows' layout, [R, width]: a packed pass runs as one
-    sequence, and each row's tokens are taken back out of it."""
+    sequence, and each row's tokens are taken back out of it. The entropies carry a gradient only where the loss
+    has the entropy bonus; else they are only logged."""
     out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
-                             positions=mb["positions"], pack=mb.get("pack"))
+                             positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0)
     if "pack" in mb:
         out = tuple(t.flatten()[mb["row_positions"]] for t in out) if with_entropy else out.flatten()[
             mb["row_positions"]]
@@ -1188,13 +1189,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1)
         activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens, args.compile))
+                       pass_activations(c, tokens, args.compile, args.entropy_coef > 0))
     elif args.pack:
         activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass, args.compile))
+                       pass_activations(c, args.tokens_per_pass, args.compile, args.entropy_coef > 0))
     else:
         activations = (f"update: activations of {micro_rows} rows (estimate)",
-                       pass_activations(c, micro_rows * length, args.compile))
+                       pass_activations(c, micro_rows * length, args.compile, args.entropy_coef > 0))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
@@ -1234,17 +1235,18 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
-def pass_activations(c, tokens, compiled):
+def pass_activations(c, tokens, compiled, entropy_grad):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
     bytes per token, layer and unit of width eager, ~60 compiled (inductor keeps fewer intermediates), and the
-    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element (token_logprobs with the entropies the
-    update always computes; 16 without). Measured, not derived:
+    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
+    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived:
     75-76 eager and 59.9 compiled (`reinforce` and `grpo` alike) on an H200 at d20 under bf16 autocast (the residual
     stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block);
     the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 24.0-24.4
-    at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
+    and 16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
-    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * 24
+    head_bytes = 24 if entropy_grad else 16
+    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
 
 
 def size(n):
@@ -1324,7 +1326,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
         # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
         fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, args.compile) + (exact_attention_bytes(
+                if pass_activations(model.config, t, args.compile, args.entropy_coef > 0) + (exact_attention_bytes(
                     model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,

@@ -417,9 +417,10 @@ class GPT(nn.Module):
         return self.logits(self.hidden(idx, cache), softcap)
 
     def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, pack=None,
-                       chunk_size=None):
+                       chunk_size=None, entropy_grad=True):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
-        also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]).
+        also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]), with its
+        gradient unless entropy_grad is False.
         positions [K] (flat indices into [B * T]): the head runs at these positions only, and the others are 0.
         The trainer passes those of the loss mask, computed on the host: a prompt's positions are never in the loss,
         the head is much of a forward pass's cost, and a boolean mask would make the host wait for the device.
@@ -438,7 +439,8 @@ class GPT(nn.Module):
             x, flat_targets = x[positions], flat_targets[positions]  # [K, C], [K]
 
         head = compiled_head_logprobs() if self.use_compile else GPT.head_logprobs
-        chunk_logprobs = functools.partial(head, self, temperature=temperature, with_entropy=with_entropy)
+        chunk_logprobs = functools.partial(head, self, temperature=temperature, with_entropy=with_entropy,
+                                           entropy_grad=entropy_grad)
         out = []
         chunk_size = chunk_size or max(1, HEAD_CHUNK // self.lm_head.out_features)
         for i in range(0, max(x.size(0), 1), chunk_size):  # at least one chunk, empty when nothing is asked for
@@ -451,7 +453,7 @@ class GPT(nn.Module):
         results = [r.view_as(targets) for r in results]
         return tuple(results) if with_entropy else results[0]
 
-    def head_logprobs(self, x, targets, temperature, with_entropy):
+    def head_logprobs(self, x, targets, temperature, with_entropy, entropy_grad=True):
         """token_logprobs' head on one chunk of positions: x [N, C], targets [N] -> (log-probs [N],) or (log-probs
         [N], entropies [N]). log_softmax is one fused kernel each way, where logsumexp and a gather of the logits
         took several and their backwards two [N, V] passes more; compiled (use_compile), the casts, softcap and
@@ -461,7 +463,12 @@ class GPT(nn.Module):
             logits = logits / temperature
         log_p = logits.log_softmax(dim=1)
         logprobs = log_p.gather(1, targets[:, None]).squeeze(1)
-        return (logprobs, -(log_p.exp() * log_p).sum(dim=1)) if with_entropy else (logprobs,)
+        if not with_entropy:
+            return (logprobs,)
+        # entropy_grad False: entropies only to be logged, off the graph, so their [N, V] exp and product are not
+        # kept for a backward pass (8 of the chunk's ~24 bytes a logit)
+        p_log = log_p if entropy_grad else log_p.detach()
+        return logprobs, -(p_log.exp() * p_log).sum(dim=1)
 
     # LoRA (Hu et al. 2021): every matrix W [out, in] inside the blocks computes W x + (alpha / r) B A x, with
     # A [r, in] and B [out, r] the only weights that train. Each adapter is a forward hook on its nn.Linear, so the

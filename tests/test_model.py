@@ -309,6 +309,24 @@ def test_head_recomputed_in_the_backward_or_kept_gives_the_same_gradients(with_e
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_entropies_only_logged_are_off_the_graph_and_leave_the_gradient_as_it_was():
+    # The update logs the entropies at every step; without the entropy bonus they carry no gradient, so the head
+    # keeps nothing for them (8 of its ~24 bytes a logit): the same entropies, the same log-prob gradient
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32))
+    idx, targets = torch.randint(0, 300, (3, 20)), torch.randint(0, 300, (3, 20))
+    results = []
+    for entropy_grad in (True, False):
+        model.zero_grad()
+        logprobs, entropy = model.token_logprobs(idx, targets, 0.7, with_entropy=True, chunk_size=16,
+                                                 entropy_grad=entropy_grad)
+        assert entropy.requires_grad == entropy_grad
+        logprobs.square().mean().backward()
+        results.append([logprobs.detach(), entropy.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_the_heads_chunks_hold_at_most_HEAD_CHUNK_logits_as_the_memory_plan_counts(monkeypatch):
     # A chunk's backward holds ~24 bytes a logit: chunks of HEAD_CHUNK // V positions by default (16,384 positions
     # at V = 65,536 held 16 GiB on a GPU), the same numbers as one chunk, and the plan counts one such chunk
@@ -324,8 +342,12 @@ def test_the_heads_chunks_hold_at_most_HEAD_CHUNK_logits_as_the_memory_plan_coun
     import grpo
     monkeypatch.setattr(grpo, "HEAD_CHUNK", 7 * model.config.vocab_size)
     for compiled, per_unit in ((False, 76), (True, 60)):  # past one chunk the head adds nothing
-        assert grpo.pass_activations(model.config, 100, compiled) - grpo.pass_activations(model.config, 50, compiled) \
-            == 50 * model.config.n_layer * per_unit * model.config.n_embd
+        for entropy_grad in (False, True):
+            assert grpo.pass_activations(model.config, 100, compiled, entropy_grad) - grpo.pass_activations(
+                model.config, 50, compiled, entropy_grad) == 50 * model.config.n_layer * per_unit * model.config.n_embd
+    # the head's chunk: 8 bytes a logit more when the entropies carry a gradient (their exp and product kept)
+    with_graph, logged = (grpo.pass_activations(model.config, 50, False, grad) for grad in (True, False))
+    assert with_graph - logged == 7 * model.config.vocab_size * 8
 
 
 def test_a_mapped_load_reads_torchs_legacy_format_and_names_a_damaged_file(tmp_path):
