@@ -1189,13 +1189,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1)
         activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens, args.compile, args.entropy_coef > 0))
+                       pass_activations(c, tokens, args))
     elif args.pack:
         activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass, args.compile, args.entropy_coef > 0))
+                       pass_activations(c, args.tokens_per_pass, args))
     else:
         activations = (f"update: activations of {micro_rows} rows (estimate)",
-                       pass_activations(c, micro_rows * length, args.compile, args.entropy_coef > 0))
+                       pass_activations(c, micro_rows * length, args))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
@@ -1235,7 +1235,7 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
-def pass_activations(c, tokens, compiled, entropy_grad):
+def pass_activations(c, tokens, args):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
     bytes per token, layer and unit of width eager, ~60 compiled (inductor keeps fewer intermediates), and the
     head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
@@ -1245,8 +1245,8 @@ def pass_activations(c, tokens, compiled, entropy_grad):
     the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 24.0-24.4
     and 16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
-    head_bytes = 24 if entropy_grad else 16
-    return tokens * c.n_layer * (60 if compiled else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
+    head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
+    return tokens * c.n_layer * (60 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
 
 
 def size(n):
@@ -1326,7 +1326,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
         # at most the rank's whole step
         compute_bytes = 2 if dtype == "bfloat16" else 4
         fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, args.compile, args.entropy_coef > 0) + (exact_attention_bytes(
+                if pass_activations(model.config, t, args) + (exact_attention_bytes(
                     model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,

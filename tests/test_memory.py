@@ -190,8 +190,7 @@ def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_b
     model, _, _ = grpo.load_policy(args, None, shapes_only=True)
     plan = grpo.memory_plan(model, args, 1, longest_prompt, "float32")
     rows = next(v for k, v in plan.items() if k.startswith("update: activations"))
-    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1), args.compile,
-                                  args.entropy_coef > 0)
+    assert rows == grpo.pass_activations(model.config, 4 * (longest_prompt + 5000 - 1), args)
     def update_oom():
         grpo.policy_update(None, None, None, None, None)
     try:
