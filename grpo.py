@@ -1237,16 +1237,16 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
 
 def pass_activations(c, tokens, args):
     """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
-    bytes per token, layer and unit of width eager, ~60 compiled (inductor keeps fewer intermediates), and the
+    bytes per token, layer and unit of width eager, ~48 compiled (inductor keeps fewer intermediates), and the
     head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
-    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived:
-    75-76 eager and 59.9 compiled (`reinforce` and `grpo` alike) on an H200 at d20 under bf16 autocast (the residual
-    stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an all-16-bit block);
-    the eager plan came within 4% of torch's allocated peak there (docs/performance.md); the head's chunk: 24.0-24.4
-    and 16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
+    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived, on an H200 at d20 under bf16 autocast
+    (the residual stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an
+    all-16-bit block): 75-76 eager, the plan within 4% of torch's allocated peak; compiled, 46.7 from the peaks of
+    two pass sizes (32,768 and 65,664 tokens), the plan 2-3% over those peaks; the head's chunk, 24.0-24.4 and
+    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
     head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
-    return tokens * c.n_layer * (60 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
+    return tokens * c.n_layer * (48 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
 
 
 def size(n):
