@@ -1799,8 +1799,6 @@ POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),  #
 def orthogonalise(G, version):
     """~ U V^T for G = U S V^T: polynomials X <- a X + (b A + c A^2) X, A = X X^T, that push every singular value
     of X towards 1. bf16 on CUDA, as nanochat runs it; float32 elsewhere."""
-    if G.is_meta:  # the memory plan steps the optimizers on meta tensors to count their state: shapes only, and
-        return G.clone()  # the polynomials' ops on the meta device would take seconds for nothing
     X = G.bfloat16() if G.is_cuda else G.float()
     if version["equilibrate"]:  # every row to the mean row norm
         X = X * (X.norm() / X.size(0) ** 0.5) / X.norm(dim=1, keepdim=True).clamp(min=1e-6)
@@ -1840,6 +1838,8 @@ class Muon(torch.optim.Optimizer):
                     state["momentum"] = torch.zeros_like(p)
                     if version["normuon"] is not None:
                         state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
+                if p.is_meta:  # the memory plan steps the optimizers on meta tensors only to count their state: the
+                    continue  # update's ops there compute nothing, through torch's Python meta kernels (0.1 s a run)
                 buf = state["momentum"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = orthogonalise(p.grad.lerp(buf, group["momentum"]), version)  # Nesterov
