@@ -1809,9 +1809,10 @@ def orthogonalise(G, version):
     transposed = X.size(0) > X.size(1)  # iterate on the smaller Gram matrix
     if transposed:
         X = X.T
-    for a, b, c in coefficients:
+    for a, b, c in coefficients:  # each sum inside its product (addmm): 3 kernels a polynomial, not 8
         A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.addmm(X, B, X, beta=a)  # a X + B X
     X = (X.T if transposed else X).to(G.dtype)
     if version["renormalise"]:
         X = X * min(X.shape) ** 0.5 / X.norm().clamp(min=1e-6)

@@ -1,7 +1,8 @@
 """
-The update on the CPU, measured by what decides its speed on a GPU: operations and host syncs per micro-batch
-(counted with a TorchDispatchMode: every aten op, and those that make the host wait for the device), FLOPs per
-real token against a batch of equally long rows (torch.utils.flop_counter), and seconds per update.
+The update on the CPU, measured by what decides its speed on a GPU: operations and host syncs per micro-batch and
+per optimizer step (counted with a TorchDispatchMode: every aten op, and those that make the host wait for the
+device), FLOPs per real token against a batch of equally long rows (torch.utils.flop_counter), and seconds per
+update.
 
     python tests/bench_update.py                    # grpo (2 epochs, KL), 8 x 16 replies, GSM8K-like lengths:
                                                     # padded rows (8 a pass) and packed (1,536 tokens a pass)
@@ -91,6 +92,32 @@ def measure(args, model, ref_model, prompts, samples, rewards, size, pack):
         flops.get_total_flops(), time.time() - start
 
 
+def count_optimizer_step(model, args):
+    """Aten ops of one optimizer step (optimizer_step: the step and its measurement) and of Muon's step alone, per
+    matrix: on a GPU each is a kernel launch from the host, and Muon's eager step waited on them (d20's update on an
+    H200: docs/performance.md)."""
+    optimizers = grpo.make_optimizers(model, args)
+    stats, gen = grpo.update_stats(torch.device("cpu")), torch.Generator().manual_seed(0)
+
+    def set_gradients():
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    set_gradients()
+    grpo.optimizer_step(model, optimizers, stats, 0.0)  # the optimizers' state exists from here on
+    set_gradients()
+    whole, muon_alone = CountOps(), CountOps()
+    with whole:
+        grpo.optimizer_step(model, optimizers, stats, 0.0)
+    muon = next(opt for opt in optimizers if isinstance(opt, grpo.Muon))
+    matrices = sum(len(group["params"]) for group in muon.param_groups)
+    set_gradients()
+    with muon_alone:
+        muon.step()
+    print(f"  optimizer step (Muon + AdamW {grpo.optimizer_version(model, args)}): "
+          f"{whole.ops} ops for {sum(1 for _ in model.parameters())} weights; Muon's step {muon_alone.ops / matrices:.1f} "
+          f"ops a matrix ({matrices} matrices)")
+
+
 def count_d20(args):
     """FLOPs per real token at nanochat's d20 shape (newest generation, 16 x 16 GSM8K-like replies, forward and
     backward of every pass, counted on the meta device: nothing runs), padded rows and packed passes, against
@@ -149,6 +176,7 @@ def main():
     print(f"{bench.algo}: {bench.prompts} x {bench.samples} replies, up to {bench.max_new_tokens} new tokens; "
           f"model {bench.depth} layers x {bench.width}, vocab {bench.vocab}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
+    count_optimizer_step(model, args)
     per_token = {}
     layouts = (("padded rows", False, bench.device_batch_size, "--device-batch-size"),
                ("packed", True, bench.tokens_per_pass, "--tokens-per-pass"))

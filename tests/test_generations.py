@@ -235,7 +235,7 @@ def test_one_training_step_moves_every_parameter(generation):
         model = random_model(generation)
         optimizers, moved, names = one_step_of_training(model, optimizer)
         assert moved == names, set(names) - set(moved)
-    adamw, muon = optimizers = grpo.make_optimizers(model, Namespace(
+    adamw, muon = grpo.make_optimizers(model, Namespace(
         optimizer="muon", matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, init_lr_frac=0.5, weight_decay=0.0,
         lora_rank=0, optimizer_version=None, init="sft"))
     version = grpo.OPTIMIZER_VERSIONS[grpo.GENERATION_OPTIMIZER[generation]]  # nanochat's of this generation

@@ -3,7 +3,6 @@
 import json
 import os
 import random
-import sys
 
 import pytest
 
