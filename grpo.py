@@ -32,6 +32,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
 
 import argparse
+import collections
 import copy
 import errno
 import fcntl
@@ -1212,9 +1213,24 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
+        MUON_STEP: muon_step_bytes(model, args),
         activations[0]: activations[1],
         **exact,
     }
+
+
+MUON_STEP = "update: Muon's step, stacks of its matrices (bound)"
+
+
+def muon_step_bytes(model, args):
+    """Bytes Muon's step holds beside the gradients, at most: 9.25 float32 copies of its largest stack at the peak
+    (the update, momentum, NorMuon's terms and the measurement's copy: `python tests/bench_memory.py --muon`), counted
+    as 10. The activations are gone by then: a bound."""
+    if args.optimizer != "muon" or args.lora_rank:
+        return 0
+    shapes = collections.Counter(tuple(p.shape) for p in model.transformer.h.parameters())
+    return 10 * max(min(n, max(1, MUON_STACK_BYTES // (rows * cols * 4))) * rows * cols * 4
+                    for (rows, cols), n in shapes.items())
 
 
 def frozen_bytes(net, bf16_matrices):
@@ -1317,7 +1333,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
     if args.sample_batch_size is None and gpu:
         per_reply = phase_bytes(smallest, "sampling") / args.num_samples
         args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
-    room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"]
+    room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"] - smallest[MUON_STEP]
     rows = args.prompts_per_step // world_size * args.num_samples
     if args.device_batch_size is None and not args.pack:
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
@@ -1796,63 +1812,95 @@ POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),  #
                  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
 
 
+def frobenius(X):
+    """The Frobenius norm of each matrix of a stack X [N, rows, cols] -> [N, 1, 1], each as torch computes it for
+    that matrix alone (foreach norm): a matrix's step does not depend on which others share its stack."""
+    return torch.stack(torch._foreach_norm(list(X.unbind(0)))).view(-1, 1, 1)
+
+
 def orthogonalise(G, version):
-    """~ U V^T for G = U S V^T: polynomials X <- a X + (b A + c A^2) X, A = X X^T, that push every singular value
-    of X towards 1. bf16 on CUDA, as nanochat runs it; float32 elsewhere."""
+    """~ U V^T for each matrix G = U S V^T of a stack G [N, rows, cols]: polynomials X <- a X + (b A + c A^2) X,
+    A = X X^T, that push every singular value of X towards 1. bf16 on CUDA, as nanochat runs it; float32
+    elsewhere."""
     X = G.bfloat16() if G.is_cuda else G.float()
     if version["equilibrate"]:  # every row to the mean row norm
-        X = X * (X.norm() / X.size(0) ** 0.5) / X.norm(dim=1, keepdim=True).clamp(min=1e-6)
+        X = X * (frobenius(X) / X.size(-2) ** 0.5) / X.norm(dim=-1, keepdim=True).clamp(min=1e-6)
     if version["orthogonalise"] == "quintic":
-        X, coefficients = X / (X.norm() + 1e-7), QUINTIC
+        X, coefficients = X / (frobenius(X) + 1e-7), QUINTIC
     else:
-        X, coefficients = X / (X.norm() * version["divisor"] + 1e-6), POLAR_EXPRESS
-    transposed = X.size(0) > X.size(1)  # iterate on the smaller Gram matrix
+        X, coefficients = X / (frobenius(X) * version["divisor"] + 1e-6), POLAR_EXPRESS
+    transposed = X.size(-2) > X.size(-1)  # iterate on the smaller Gram matrix
     if transposed:
-        X = X.T
-    for a, b, c in coefficients:  # each sum inside its product (addmm): 3 kernels a polynomial, not 8
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.addmm(X, B, X, beta=a)  # a X + B X
-    X = (X.T if transposed else X).to(G.dtype)
+        X = X.mT
+    for a, b, c in coefficients:  # each sum inside its product (baddbmm): 3 kernels a polynomial, not 8
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = (X.mT if transposed else X).to(G.dtype)
     if version["renormalise"]:
-        X = X * min(X.shape) ** 0.5 / X.norm().clamp(min=1e-6)
+        X = X * min(X.shape[-2:]) ** 0.5 / frobenius(X).clamp(min=1e-6)
     return X
 
 
+MUON_STACK_BYTES = 2 ** 27  # float32 bytes of one stack of same-shape matrices, at most (memory_plan counts 10)
+
+
 class Muon(torch.optim.Optimizer):
-    """nanochat's Muon of one version (OPTIMIZER_VERSIONS) for 2-D weights."""
+    """nanochat's Muon of one version (OPTIMIZER_VERSIONS) for 2-D weights. The matrices of one shape step as one
+    stack (as nanochat's own Muon steps them), of at most MUON_STACK_BYTES: one kernel for all of them where a loop
+    launched ~50 for each, and on a GPU the host's launches were most of Muon's time (docs/performance.md)."""
 
     def __init__(self, params, lr, version, weight_decay=0.0, momentum=0.95):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
         self.version = version
 
+    @staticmethod
+    def stacks(params):
+        """-> the stacks these matrices step in: of one shape, at most MUON_STACK_BYTES each, in their order."""
+        shapes = {}
+        for p in params:
+            shapes.setdefault(tuple(p.shape), []).append(p)
+        stacks = []
+        for (rows, cols), same in shapes.items():
+            per_stack = max(1, MUON_STACK_BYTES // (rows * cols * 4))
+            stacks += [same[i:i + per_stack] for i in range(0, len(same), per_stack)]
+        return stacks
+
     @torch.no_grad()
     def step(self):
+        for group in self.param_groups:  # as torch's optimizers: no gradient, no step
+            for stack in self.stacks([p for p in group["params"] if p.grad is not None]):
+                self.step_stack(stack, group)
+
+    def step_stack(self, params, group):
         version = OPTIMIZER_VERSIONS[self.version]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:  # as torch's optimizers: no gradient, no step
-                    continue
-                state = self.state[p]
-                dim = 1 if p.size(0) >= p.size(1) else 0  # NorMuon's moments: one per row (per column if wide)
-                if not state:
-                    state["momentum"] = torch.zeros_like(p)
-                    if version["normuon"] is not None:
-                        state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
-                if p.is_meta:  # the memory plan steps the optimizers on meta tensors only to count their state: the
-                    continue  # update's ops there compute nothing, through torch's Python meta kernels (0.1 s a run)
-                buf = state["momentum"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = orthogonalise(p.grad.lerp(buf, group["momentum"]), version)  # Nesterov
-                if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
-                    second_moment = state["second_moment"]
-                    second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
-                    scaled = update * second_moment.clamp(min=1e-10).rsqrt()
-                    update = scaled * (update.norm() / scaled.norm().clamp(min=1e-10))
-                lr = group["lr"] * max(1, p.size(0) / p.size(1)) ** 0.5
-                if group["weight_decay"]:  # cautious: decay only where the update pushes the same way
-                    p.sub_(lr * group["weight_decay"] * p * (update * p >= 0))
-                p.add_(update, alpha=-lr)
+        rows, cols = params[0].shape
+        dim = -1 if rows >= cols else -2  # NorMuon's moments: one per row (per column if wide)
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["momentum"] = torch.zeros_like(p)
+                if version["normuon"] is not None:
+                    state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
+        if params[0].is_meta:  # the memory plan steps the optimizers on meta tensors only to count their state: the
+            return  # update's ops there compute nothing, through torch's Python meta kernels (0.1 s a run)
+        momentum = torch.stack([state["momentum"] for state in states])  # [N, rows, cols], as each one below
+        grads = torch.stack([p.grad for p in params])
+        momentum.lerp_(grads, 1 - group["momentum"])
+        update = orthogonalise(grads.lerp_(momentum, group["momentum"]), version)  # Nesterov
+        if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
+            second_moment = torch.stack([state["second_moment"] for state in states])
+            second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
+            scaled = update * second_moment.clamp(min=1e-10).rsqrt()
+            update = scaled * (frobenius(update) / frobenius(scaled).clamp(min=1e-10))
+            torch._foreach_copy_([state["second_moment"] for state in states], list(second_moment.unbind(0)))
+        lr = group["lr"] * max(1, rows / cols) ** 0.5
+        weights = torch.stack(params)
+        if group["weight_decay"]:  # cautious: decay only where the update pushes the same way
+            weights.sub_(lr * group["weight_decay"] * weights * (update * weights >= 0))
+        weights.add_(update, alpha=-lr)
+        torch._foreach_copy_(params, list(weights.unbind(0)))
+        torch._foreach_copy_([state["momentum"] for state in states], list(momentum.unbind(0)))
 
 
 class NanochatAdamW(torch.optim.Optimizer):
@@ -2348,9 +2396,10 @@ def update_stats(device):
 def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
     update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
-    The optimizers step one weight at a time (the others' gradients set aside: torch's optimizers and Muon skip a
-    weight without one), so that the copy the measurement needs is of one tensor, never of a whole optimizer's
-    share of the model (for nanochat's d20, gigabytes of embeddings). With a sharded optimizer (owners) a rank holds
+    The optimizers step one weight at a time, Muon one of its stacks (the others' gradients set aside: torch's
+    optimizers and Muon skip a weight without one), so that the copy the measurement needs is of one tensor or
+    stack, never of a whole optimizer's share of the model (for nanochat's d20, gigabytes of embeddings). With a
+    sharded optimizer (owners) a rank holds
     the gradients of its own weights only: it steps those, the sums are over ranks, and every weight then comes
     from its owner."""
     params = [p for p in model.parameters() if p.grad is not None]
@@ -2365,14 +2414,20 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
     for opt in optimizers:
         params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = {p: p.grad for p in params}
         for p in params:
             p.grad = None
-        for p, grad in zip(params, grads):
-            before, p.grad = p.detach().clone(), grad
+        for chunk in Muon.stacks(params) if isinstance(opt, Muon) else [[p] for p in params]:
+            before = [p.detach().clone() for p in chunk]
+            for p in chunk:
+                p.grad = grads[p]
             opt.step()
-            p.grad = None
-            squares += torch.stack([(p - before).norm(), before.norm(), p.norm()]).double() ** 2
+            for p in chunk:
+                p.grad = None
+            norms = [torch._foreach_norm(before), torch._foreach_norm(chunk)]  # before, after
+            torch._foreach_sub_(before, chunk)  # -> the update, negated
+            norms.insert(0, torch._foreach_norm(before))
+            squares += torch.stack([torch.stack(n).double().square().sum() for n in norms])
     if owners:
         all_reduce(squares)
         broadcast_weights([p for p in model.parameters() if p.requires_grad], owners)

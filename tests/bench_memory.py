@@ -9,6 +9,7 @@ interleaved, --repeats rounds; the table gives the median.
     python tests/bench_memory.py --plan                         # the memory plan of d20-d32 on 1 and 8 GPUs
     python tests/bench_memory.py --modes --new-tokens 256       # plan vs peak of each way to form the update's passes
     python tests/bench_memory.py --modes --allocated            # on the CPU also torch's allocated peak (slow)
+    python tests/bench_memory.py --muon                         # Muon's step, in stacks of its matrices
 
 --plan prints, in seconds and without running anything, the plan a run prints at its start (grpo.memory_plan) for
 nanochat's newest generation at depths 20, 24, 26 and 32, for `reinforce`, `grpo` with KL (bf16 reference) and
@@ -58,6 +59,8 @@ parser.add_argument("--allocated", action="store_true", help="on the CPU also to
                     "profiler's allocation events (minutes a step)")
 parser.add_argument("--modes", action="store_true", help="the update's passes formed each way: padded rows, packed "
                     "by a token budget, packed whole rows; the plan's peak next to the measured one")
+parser.add_argument("--muon", action="store_true", help="the peak of Muon's step in stacks of its matrices (the "
+                    "memory plan counts 10)")
 args = parser.parse_args()
 
 SETTINGS = {"full, float32 reference": ["--ref-dtype", "float32"],
@@ -149,11 +152,7 @@ def child(init, setting):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else resident_mb("VmHWM")
-            events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
-                            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU) \
-                if counting else []
-            allocated = peak - before if cuda else max(itertools.accumulate(n for _, n in events)) / 2 ** 20 \
-                if counting else float("nan")
+            allocated = peak - before if cuda else cpu_allocated_peak(profiler) / 2 ** 20 if counting else float("nan")
             longest = run.train_task.longest_prompt(run.tokenizer)
             plan = grpo.memory_plan(run.model, run_args, 1, longest, "bfloat16")
         finally:
@@ -201,6 +200,32 @@ def main():
                       f"{median['seconds']:.1f} |")
 
 
+def cpu_allocated_peak(profiler):
+    """Bytes torch allocated on the CPU at the peak of a block profiled with profile_memory=True, above its start:
+    every allocation and free the profiler recorded, in order."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    return max(itertools.accumulate(n for _, n in events))
+
+
+def muon_step():
+    """Muon's step beside the gradients, in float32 copies of one of its stacks (grpo.MUON_STACK_BYTES): 8 matrices
+    of one shape in stacks of 4, one optimizer_step (the measurement's copy included) after one that made the state."""
+    print("Muon's step (grpo.optimizer_step), torch's allocated peak above its start on the CPU, in stacks:")
+    for version in ("v1", "v5"):
+        for shape in ((512, 512), (1024, 256), (256, 1024)):
+            grpo.MUON_STACK_BYTES = 4 * shape[0] * shape[1] * 4
+            params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(shape)) for _ in range(8)])
+            optimizer, stats = grpo.Muon(params, lr=0.02, version=version, weight_decay=0.1), grpo.update_stats("cpu")
+            for counted in (False, True):
+                for p in params:
+                    p.grad = torch.randn(shape)
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+                with profiler if counted else grpo.nullcontext():
+                    grpo.optimizer_step(params, [optimizer], stats, 0.0)
+            print(f"  {version}, {shape[0]} x {shape[1]}: {cpu_allocated_peak(profiler) / grpo.MUON_STACK_BYTES:.2f}")
+
+
 def plans():
     """The memory plan of nanochat's newest generation at d20-d32 for three settings on 1 and 8 GPUs."""
     settings = {"reinforce": ["--algo", "reinforce"], "grpo, KL": ["--algo", "grpo"],
@@ -240,6 +265,8 @@ def plans():
 
 if args.plan:
     plans()
+elif args.muon:
+    muon_step()
 elif args.child:
     child(*args.child)
 else:

@@ -411,7 +411,7 @@ def test_non_finite_weights_stop_before_saving_and_the_advice_works(tmp_path, mo
         if self.param_groups[0]["params"][0].is_meta:  # the memory plan's dry step on the model's shapes
             return
         calls.append(1)
-        per_update = sum(len(group["params"]) for group in self.param_groups)  # called once per weight
+        per_update = len(self.stacks([p for group in self.param_groups for p in group["params"]]))  # once a stack
         if len(calls) == 4 * per_update + 1:  # grpo: 2 optimizer steps per training step
             self.param_groups[0]["params"][0].data[0, 0] = float("inf")
 

@@ -103,3 +103,32 @@ def test_another_versions_optimizer_misses_the_fixture():
     path = next(p for p in STEPS if os.path.basename(os.path.dirname(p)) == "smear-backout")
     for version in ("v1", "v4"):  # v4 is v5 without MuonEq and Muon+
         assert sum(count for count, _ in run_fixture(path, version)[0].values()) > 1000, version
+
+
+@pytest.mark.parametrize("version", list(grpo.OPTIMIZER_VERSIONS))
+def test_muon_steps_a_matrix_alike_in_any_stack(version, monkeypatch):
+    # Muon steps its same-shape matrices as one stack: a matrix's step must not depend on the others stacked with it
+    # (a sharded rank stacks other matrices than one process does, and a stack holds at most MUON_STACK_BYTES).
+    # Two steps, momentum and NorMuon's moments included, bitwise.
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (16, 32), (32, 16), (32, 16), (8, 8)]
+    start = [torch.randn(shape, generator=gen) for shape in shapes]
+    steps = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(2)]
+
+    def weights_after(stacks):  # stacks: lists of indices whose gradients are set for one opt.step()
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = grpo.Muon(params, lr=0.02, version=version, weight_decay=0.1)
+        for grads in steps:
+            for stack in stacks:
+                for i in stack:
+                    params[i].grad = grads[i].clone()
+                opt.step()
+                for i in stack:
+                    params[i].grad = None
+        return [p.detach() for p in params]
+
+    alone = weights_after([[i] for i in range(len(shapes))])
+    monkeypatch.setattr(grpo, "MUON_STACK_BYTES", 2 * 32 * 16 * 4)  # the three 32 x 16 in stacks of two and one
+    for stacks in ([list(range(len(shapes)))], [[0, 3], [1, 2, 4]]):
+        for ours, theirs in zip(weights_after(stacks), alone):
+            assert torch.equal(ours, theirs)
