@@ -2403,13 +2403,12 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     the gradients of its own weights only: it steps those, the sums are over ranks, and every weight then comes
     from its owner."""
     params = [p for p in model.parameters() if p.grad is not None]
-    squares = torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).double().square().sum() if params \
+    squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
         else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
     grad_norm = (all_reduce(squares) if owners else squares).sqrt()
     if grad_clip:  # as torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
         scale = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0).float()
-        for p in params:
-            p.grad.mul_(scale)
+        torch._foreach_mul_([p.grad for p in params], scale)
     stats["grad_norm"] += grad_norm
     squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
     for opt in optimizers:
@@ -2418,7 +2417,7 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
         for p in params:
             p.grad = None
         for chunk in Muon.stacks(params) if isinstance(opt, Muon) else [[p] for p in params]:
-            before = [p.detach().clone() for p in chunk]
+            before = list(torch.stack(chunk).unbind(0))  # one copy of the chunk (same shapes)
             for p in chunk:
                 p.grad = grads[p]
             opt.step()
@@ -2504,8 +2503,7 @@ def optimizer_state_bytes(optimizers):
 
 def weights_are_finite(model):
     """-> a bool tensor on the device (no host sync): every weight is finite."""
-    norms = [torch.linalg.vector_norm(p.detach(), float("inf")) for p in model.parameters()]
-    return torch.stack(norms).isfinite().all()
+    return torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()], float("inf"))).isfinite().all()
 
 
 # -----------------------------------------------------------------------------
