@@ -441,6 +441,21 @@ def test_an_absurd_step_size_is_warned_about_and_the_update_ratio_logged(tmp_pat
     assert absurd["weight_norm_factor"] > 1e6 and absurd["update_ratio"] > 1e6
 
 
+def test_grad_clip_scales_the_gradients_as_torchs_clip_grad_norm_and_logs_the_norm_before():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        (model(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))) * 10).square().sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(models[0].parameters(), max_norm=0.5)
+    torch.optim.SGD(models[0].parameters(), lr=1.0).step()
+    stats = grpo.update_stats(torch.device("cpu"))
+    grpo.optimizer_step(models[1], [torch.optim.SGD(models[1].parameters(), lr=1.0)], stats, grad_clip=0.5)
+    assert norm > 5 and stats["grad_norm"].item() == pytest.approx(norm.item(), rel=1e-6)
+    for theirs, ours in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
 def test_the_update_ratio_is_the_relative_change_of_the_weights(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
