@@ -32,7 +32,6 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN)
 
 import argparse
-import collections
 import copy
 import errno
 import fcntl
@@ -1228,9 +1227,7 @@ def muon_step_bytes(model, args):
     as 10. The activations are gone by then: a bound."""
     if args.optimizer != "muon" or args.lora_rank:
         return 0
-    shapes = collections.Counter(tuple(p.shape) for p in model.transformer.h.parameters())
-    return 10 * max(min(n, max(1, MUON_STACK_BYTES // (rows * cols * 4))) * rows * cols * 4
-                    for (rows, cols), n in shapes.items())
+    return 10 * max(len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
 
 
 def frozen_bytes(net, bf16_matrices):
@@ -2399,9 +2396,8 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     The optimizers step one weight at a time, Muon one of its stacks (the others' gradients set aside: torch's
     optimizers and Muon skip a weight without one), so that the copy the measurement needs is of one tensor or
     stack, never of a whole optimizer's share of the model (for nanochat's d20, gigabytes of embeddings). With a
-    sharded optimizer (owners) a rank holds
-    the gradients of its own weights only: it steps those, the sums are over ranks, and every weight then comes
-    from its owner."""
+    sharded optimizer (owners) a rank holds the gradients of its own weights only: it steps those, the sums are
+    over ranks, and every weight then comes from its owner."""
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
         else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
@@ -2423,10 +2419,10 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
             opt.step()
             for p in chunk:
                 p.grad = None
-            norms = [torch._foreach_norm(before), torch._foreach_norm(chunk)]  # before, after
+            before_norms, after_norms = torch._foreach_norm(before), torch._foreach_norm(chunk)
             torch._foreach_sub_(before, chunk)  # -> the update, negated
-            norms.insert(0, torch._foreach_norm(before))
-            squares += torch.stack([torch.stack(n).double().square().sum() for n in norms])
+            squares += torch.stack([torch.stack(norms).double().square().sum()
+                                    for norms in (torch._foreach_norm(before), before_norms, after_norms)])
     if owners:
         all_reduce(squares)
         broadcast_weights([p for p in model.parameters() if p.requires_grad], owners)
