@@ -6,15 +6,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# grpo before torch: it bounds how long OpenMP's waiting threads spin (OPENMP_SPIN) before torch loads libgomp, so the
-# suite's time, like a run's, hangs less on what else the machine runs. The processes the tests start inherit it.
-import grpo  # noqa: E402,F401
-import torch  # noqa: E402
-
-if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each, as ranks do
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the runs the tests start as processes too
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
 GSM8K_DIR = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 
 
@@ -51,6 +42,7 @@ def run_killed_after_first_save(monkeypatch):
 def runs_on_the_cpu(request, monkeypatch):
     """The suite's runs are CPU runs (float32, no compile, gloo ranks, CPU timings), on a GPU machine too, where
     grpo.py would default to CUDA; a test marked `cuda` gets the GPU, and is skipped without one."""
+    import torch
     if request.node.get_closest_marker("cuda"):
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
@@ -72,6 +64,16 @@ def free_port():
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # a process that runs tests
+        # (pytest -n's coordinator runs none: it does without torch's 3 s import, before its workers start)
+        # grpo before torch: it bounds how long OpenMP's waiting threads spin (OPENMP_SPIN) before torch loads
+        # libgomp, so the suite's time, like a run's, hangs less on what else the machine runs. The processes the
+        # tests start inherit it.
+        import grpo  # noqa: F401
+        import torch
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each, as
+            os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks do; the runs the tests start as processes too
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
     config.addinivalue_line("markers", "xdist_group(name): with pytest -n, these tests run on one worker")
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")

@@ -510,23 +510,13 @@ def finished(process):
 
 @pytest.mark.xdist_group("pristine")
 def test_end_to_end_messages(pristine, tmp_path):
-    # three runs in their own copies of the run folder, started at once: one interpreter start-up to wait for
-    damaged, full, hostile = (tmp_path / name for name in ("damaged", "full", "hostile"))
-    for w in (damaged, full, hostile):
-        shutil.copytree(pristine, w)
-    write(damaged, f"{CK}/model_000002.pt", lambda d: d[:500])
-    # a crafted tokenizer.pkl beside the start checkpoint: refused, and what it names never runs
-    write(hostile, "runs/base/tokenizer/tokenizer.pkl", pickle.dumps(RunsCode(str(hostile / "ran"))))
-    processes = [start_script(*flags(damaged, "--resume")),
-                 # a checkpoint too large for the disk: the first save fails, the message says nothing was saved
-                 start_script(*flags(full, "--num-steps", "1", "--n-embd", "128", name="big"),
-                              limit_file_bytes=500_000),
-                 start_script(*flags(hostile, "--init", str(hostile / CK), "--init-step", "1", name="hostile"))]
-    result = finished(processes[0])
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert "model_000002.pt is damaged" in result.stderr
-    result = finished(processes[1])
+    # A run as a user starts it, in its own interpreter: a checkpoint too large for the disk. The first save fails;
+    # the process exits with status 1 and one line that says nothing was saved. (test_bad_input_and_faults checks
+    # every other message in this process: the line is sys.exit's, the same in both.)
+    full = tmp_path / "full"
+    shutil.copytree(pristine, full)
+    result = finished(start_script(*flags(full, "--num-steps", "1", "--n-embd", "128", name="big"),
+                                   limit_file_bytes=500_000))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot write ") and "File too large" in last
@@ -534,10 +524,6 @@ def test_end_to_end_messages(pristine, tmp_path):
     # the advice that works (test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over runs it)
     assert last.endswith("start it over from step 0 with the same command and --resume")
     assert not [f for _, _, files in os.walk(full / "runs" / "big") for f in files if f.startswith(".tmp_")]
-    result = finished(processes[2])
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "refused" in result.stderr.strip().splitlines()[-1]
-    assert not os.path.exists(hostile / "ran")
 
 
 def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):

@@ -1,5 +1,6 @@
 """CPU threads: a fixed count a run (grpo.thread_policy), waiting threads that spin briefly (grpo.OPENMP_SPIN)."""
 import os
+import runpy
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,16 +13,22 @@ import grpo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_openmp_spins_briefly_before_torch_loads_unless_the_user_says_otherwise():
+def test_openmp_spins_briefly_before_torch_loads_unless_the_user_says_otherwise(monkeypatch):
+    # before torch loads libgomp: only a new interpreter shows that, one
     show = ("import os, grpo; print(os.environ.get('GOMP_SPINCOUNT'), "
             "__import__('torch').__config__.parallel_info().count('OpenMP') > 0)")
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    cases = {"default": base, "own": dict(base, GOMP_SPINCOUNT="5"), "policy": dict(base, OMP_WAIT_POLICY="active")}
-    runs = {name: subprocess.Popen([sys.executable, "-c", show], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-            for name, env in cases.items()}
-    out = {name: run.communicate()[0].split() for name, run in runs.items()}
-    assert out["default"] == [grpo.OPENMP_SPIN, "True"]
-    assert out["own"][0] == "5" and out["policy"][0] == "None"
+    out = subprocess.run([sys.executable, "-c", show], cwd=ROOT, env=base, stdout=subprocess.PIPE, text=True).stdout
+    assert out.split() == [grpo.OPENMP_SPIN, "True"]
+    # a user's own setting wins: grpo.py's top lines run again here, under the user's variables
+    for users, expected in ((dict(GOMP_SPINCOUNT="5"), "5"), (dict(OMP_WAIT_POLICY="active"), None)):
+        with monkeypatch.context() as patched:
+            for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+                patched.delenv(name, raising=False)
+            for name, value in users.items():
+                patched.setenv(name, value)
+            runpy.run_path(os.path.join(ROOT, "grpo.py"))
+            assert os.environ.get("GOMP_SPINCOUNT") == expected, users
 
 
 @pytest.mark.parametrize("case, expected, count", [
