@@ -565,3 +565,30 @@ def test_the_trainers_packed_passes_keep_flash_attentions_contract(name, static,
         return sum(((g.double() - e) ** 2).sum() for g, e in zip(grads, exact_grads)).sqrt().item()
     assert 0 < error(fallback, exact) and error(flash, exact) <= 2 * error(fallback, exact)
     assert 0 < grad_error(fallback_grads) and grad_error(flash_grads) <= 2 * grad_error(fallback_grads)
+
+
+def test_the_compiled_passes_on_a_gpu_are_one_graph_each(monkeypatch):
+    # --compile (the CUDA default) compiles GPT.hidden and the head. A graph break (a Python branch on a tensor's
+    # value, a call dynamo cannot trace) cuts a pass into pieces compiled apart: more launches, no fusion across the
+    # cut. The GPU branch traced on the meta device: torch's own varlen_attn (a custom op with a fake kernel), the
+    # newest generation (every feature, windows), a static packed pass as the trainer plans it.
+    import inspect
+    import torch._dynamo
+    varlen_attn = pytest.importorskip("torch.nn.attention.varlen").varlen_attn
+    monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(model_module, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", "enable_gqa" in inspect.signature(varlen_attn).parameters)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: False)  # the meta device has no autocast
+    batch, args = trainer_batch([20, 30], 3, 150, 384, static=True)
+    model = random_model("smear-backout", sequence_len=256).bfloat16().to("meta")
+    first = batch["micro_batches"][0]
+    pack = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in first["pack"].items()}
+    states = torch.empty(300, model.config.n_embd, dtype=torch.bfloat16, device="meta")  # a chunk of positions
+    try:
+        explained = [torch._dynamo.explain(GPT.hidden)(model, first["input_ids"].to("meta"), pack=pack),
+                     torch._dynamo.explain(GPT.head_logprobs)(model, states, states[:, 0].long(), 1.0, True)]
+    finally:
+        torch._dynamo.reset()
+    assert pack["max_len"] > 128 and model.windows[0] == 128  # rows past the short window: its mask in the graph
+    for graphs in explained:
+        assert graphs.graph_count == 1 and graphs.graph_break_count == 0, [r.reason for r in graphs.break_reasons]
