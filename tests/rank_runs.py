@@ -4,9 +4,15 @@ ranks once (an interpreter and `import torch` per rank) instead of once per run.
 the runs; each run is grpo.main with its flags, as `python grpo.py <flags>` runs it.
 
     python tests/rank_runs.py RUNS.json      # RUNS.json: a list of flag lists; RANK, WORLD_SIZE, ... set as torchrun
+
+An entry {"copy": [RUN_DIR, NEW_DIR, STEP]} instead of flags: rank 0 copies a run folder finished by an earlier
+entry without its checkpoint of STEP (as if the run had stopped before saving it: copy_without_step), for a later
+entry to resume, and the ranks go on together.
 """
+import glob
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,10 +20,23 @@ import torch.distributed as dist  # noqa: E402
 
 import grpo  # noqa: E402
 
-with open(sys.argv[1]) as f:
-    runs = json.load(f)
-leave = grpo.leave_process_group
-grpo.leave_process_group = dist.barrier  # every run but the last ends with the ranks together, the group kept
-for flags in runs:
-    grpo.main(flags)
-leave()
+
+def copy_without_step(run_dir, new_dir, step):
+    shutil.copytree(run_dir, new_dir)
+    for path in glob.glob(os.path.join(new_dir, "chatrl_checkpoints", "*", f"*_{step:06d}.*")):
+        os.remove(path)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    leave = grpo.leave_process_group
+    grpo.leave_process_group = dist.barrier  # every run but the last ends with the ranks together, the group kept
+    for entry in runs:
+        if isinstance(entry, dict):
+            if dist.get_rank() == 0:
+                copy_without_step(*entry["copy"])
+            dist.barrier()
+        else:
+            grpo.main(entry)
+    leave()

@@ -2,7 +2,6 @@ import copy
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
 from conftest import free_port
+from rank_runs import copy_without_step
 from test_generations import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -883,14 +883,19 @@ def resume_test_flags(root, name, *more):
 def rank_runs(tmp_path_factory):
     """Every 2-rank run the rank tests compare, in one launch, and meanwhile the same runs in this process: for
     each setting <setting>-ddp and <setting>-single; muon-v5-whole (2 ranks, not sharded); resume-ddp and
-    resume-single (the start of the resume test). -> the folder of their run folders."""
+    resume-single, then their copies without step 4 resumed on 2 ranks (ddp-on-2, single-on-2: the resume test).
+    -> the folder of their run folders."""
     root = tmp_path_factory.mktemp("ranks")
+    in_this_process(resume_test_flags(root, "resume-single"))  # before the launch, which resumes a copy of it
+    copy_without_step(root / "resume-single", root / "single-on-2", 4)
     settings = [s for s in RANK_SETTINGS if s != "lora" or os.path.isdir(SMEAR_BACKOUT)]
     ddp = [rank_test_flags(root, s, f"{s}-ddp") for s in settings]
     ddp += [rank_test_flags(root, "muon-v5", "muon-v5-whole", "--no-shard-optimizer"),
-            resume_test_flags(root, "resume-ddp", "--self-check")]  # the start-up check's all-reduce on 2 ranks
+            resume_test_flags(root, "resume-ddp", "--self-check"),  # the start-up check's all-reduce on 2 ranks
+            {"copy": [str(root / "resume-ddp"), str(root / "ddp-on-2"), 4]},
+            resume_test_flags(root, "ddp-on-2", "--resume"), resume_test_flags(root, "single-on-2", "--resume")]
     wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], free_port())
-    for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings] + [resume_test_flags(root, "resume-single")]:
+    for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings]:
         in_this_process(flags)
     wait()
     return root
@@ -941,30 +946,24 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
 def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, tmp_path, capsys):
     # the training state holds the whole optimizer state, gathered from its owners: any number of ranks resumes
     # from it, each keeping its own share. 2 -> 2 is exact; 2 -> 1 and 1 -> 2 go on within the rank tests' tolerance.
+    # The runs on 2 ranks were resumed in rank_runs' launch, from copies without their step-4 checkpoint.
     straight = {name: final_state(rank_runs, f"resume-{name}", 4) for name in ("single", "ddp")}
-    resumes = {"ddp-on-2": ("ddp", 2), "ddp-on-1": ("ddp", 1), "single-on-2": ("single", 2)}
-    for name, (source, _) in resumes.items():
-        shutil.copytree(rank_runs / f"resume-{source}", tmp_path / name)
-        for path in (tmp_path / name / "chatrl_checkpoints" / "d2").glob("*_000004.*"):
-            path.unlink()  # as if the run had stopped after its step-2 checkpoint
-    on_2 = [name for name, (_, ranks) in resumes.items() if ranks == 2]
-    wait = launch_ranks([resume_test_flags(tmp_path, name, "--resume") for name in on_2],
-                        [tmp_path / f"rank{r}.txt" for r in range(2)], free_port())
+    resumes = {"ddp-on-2": ("ddp", rank_runs), "ddp-on-1": ("ddp", tmp_path), "single-on-2": ("single", rank_runs)}
+    copy_without_step(rank_runs / "resume-ddp", tmp_path / "ddp-on-1", 4)
     capsys.readouterr()
     in_this_process(resume_test_flags(tmp_path, "ddp-on-1", "--resume"))
     logs = {"ddp-on-1": capsys.readouterr().out}
-    wait()
     checked = [(rank_runs / f"rank{r}.txt").read_text().count("self-check: packed passes vs the plain float32 path")
                for r in range(2)]
     assert checked == [1, 0]  # the resume-ddp run's start-up check: every rank takes part, rank 0 prints it
-    rank0 = (tmp_path / "rank0.txt").read_text()
+    rank0, on_2 = (rank_runs / "rank0.txt").read_text(), ["ddp-on-2", "single-on-2"]
     assert "resumed from step 2" in logs["ddp-on-1"] and rank0.count("resumed from step 2") == len(on_2)
     logs.update(zip(on_2, rank0.split("resumed from step 2")))  # each run's log, up to its resume line
-    for name, (source, _) in resumes.items():
+    for name, (source, folder) in resumes.items():
         log = logs[name]
         assert ("world_size 2 -> 1" in log) == (name == "ddp-on-1") and ("world_size 1 -> 2" in log) == (
             name == "single-on-2")
-        resumed = final_state(tmp_path, name, 4)
+        resumed = final_state(folder, name, 4)
         for k, v in straight[source].items():
             if name == "ddp-on-2":
                 assert torch.equal(resumed[k], v), k
