@@ -575,9 +575,12 @@ def test_the_compiled_passes_on_a_gpu_are_one_graph_each(monkeypatch):
     import inspect
     import torch._dynamo
     varlen_attn = pytest.importorskip("torch.nn.attention.varlen").varlen_attn
+    keywords = inspect.signature(varlen_attn).parameters
+    if "window_size" not in keywords:
+        pytest.skip("this torch's varlen_attn takes no window: model.py does not call it")
     monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
     monkeypatch.setattr(model_module, "varlen_attn", varlen_attn)
-    monkeypatch.setattr(model_module, "VARLEN_GQA", "enable_gqa" in inspect.signature(varlen_attn).parameters)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", "enable_gqa" in keywords)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: False)  # the meta device has no autocast
     batch, args = trainer_batch([20, 30], 3, 150, 384, static=True)
     model = random_model("smear-backout", sequence_len=256).bfloat16().to("meta")
