@@ -11,7 +11,7 @@ import model as model_module
 from kernels import strict_varlen_attn
 
 FLAGS = ["--demo", "--num-steps", "1", "--eval-every", "0", "--final-eval-examples", "1", "--dtype", "bfloat16",
-         "--prompts-per-step", "4", "--num-samples", "4", "--self-check"]  # a small first batch: bf16 is slow here
+         "--prompts-per-step", "4", "--num-samples", "4", "--self-check"]  # a small first batch: bf16 is slow on a CPU
 
 
 def kernel_computing_half_of_each_span(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
