@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import tiktoken
 import torch
@@ -144,7 +145,7 @@ def child(init, setting):
             # records (slow: minutes a step)
             counting = args.allocated and not cuda
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                              profile_memory=True) if counting else grpo.nullcontext()
+                                              profile_memory=True) if counting else nullcontext()
             start = time.perf_counter()
             with profiler:
                 grpo.train(run_args, run)
@@ -221,7 +222,7 @@ def muon_step():
                 for p in params:
                     p.grad = torch.randn(shape)
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-                with profiler if counted else grpo.nullcontext():
+                with profiler if counted else nullcontext():
                     grpo.optimizer_step(params, [optimizer], stats, 0.0)
             print(f"  {version}, {shape[0]} x {shape[1]}: {cpu_allocated_peak(profiler) / grpo.MUON_STACK_BYTES:.2f}")
 
