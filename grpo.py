@@ -739,15 +739,15 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
             for i in (i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j):
                 mb = micro_batches[i]
+                mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
+                                  if args.aggregation == "nanochat" else denominator)
                 with autocast, torch.set_grad_enabled(signal):
-                    logprobs, entropy = logprobs_of(model, mb, args, with_entropy=True)
-                    if not stats["stepped"]:  # before the first step pi_old is pi_theta: rho = 1 exactly
-                        old_logprobs[i] = logprobs.detach()
-                    mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
-                                      if args.aggregation == "nanochat" else denominator)
-                    loss, parts = objective(logprobs, entropy, old_logprobs[i], ref_logprobs[i],
-                                            mb["sampler_logprobs"], advantages[mb["rows"]], mb["loss_mask"],
-                                            mb_denominator, args, teacher_logprobs[i])
+                    # before the first step pi_old is pi_theta: rho = 1 exactly
+                    loss, parts, logprobs = micro_batch_loss(
+                        model, mb, old_logprobs[i] if stats["stepped"] else None, ref_logprobs[i],
+                        teacher_logprobs[i], advantages[mb["rows"]], mb_denominator, args)
+                if not stats["stepped"]:
+                    old_logprobs[i] = logprobs
                 if signal:
                     loss.backward()
                 minibatch_loss += loss.detach()
@@ -755,6 +755,17 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             minibatch_step(model, optimizers, stats, minibatch_loss, signal, args, owners)
     return finish_update_stats(stats, args, with_kl=ref_model is not None, with_teacher=teacher is not None), \
         time_logprobs
+
+
+def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, advantages, denominator, args):
+    """One forward pass of the update: the micro-batch's log-probs under the policy, and its share of the loss
+    (objective). old_logprobs None: pi_old is the policy itself (rho = 1). -> (loss, parts, log-probs [R, width],
+    detached). The start-up self-check runs its fast and plain paths through this too."""
+    logprobs, entropy = logprobs_of(model, mb, args, with_entropy=True)
+    old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
+    loss, parts = objective(logprobs, entropy, old_logprobs, ref_logprobs, mb["sampler_logprobs"], advantages,
+                            mb["loss_mask"], denominator, args, teacher_logprobs)
+    return loss, parts, logprobs.detach()
 
 
 def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
@@ -1566,39 +1577,62 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 def self_check(args, run, questions=4, new_tokens=16):
     """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
     replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), then
-    their log-probs and the gradient of a fixed weighted sum of them through the update's path (packed passes, flash
-    attention on a GPU, --compile) and through the plain one (padded rows, eager), each measured against the plain
-    path in float32; the sampler's own log-probs likewise. Prints one line; a path beyond the bound stops every
-    rank with one line naming it and the flag that avoids it."""
+    their log-probs and the gradient of the update's loss (fixed random advantages) through the update's own pass
+    (micro_batch_loss: packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows,
+    eager), each measured against the plain path in float32; the sampler's own log-probs likewise. The check's batch
+    is its own (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's
+    flags. A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs
+    whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
+    restores them after. Prints one line; a path beyond the bound stops every rank with one line naming it and the
+    flag that avoids it."""
     start = time.time()
     model, G = run.model, 2
     prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(
         run.train_task)))]
-    model.eval()
-    with run.autocast:
-        samples = generate(model, run.tokenizer, prompts, G, min(new_tokens, args.max_new_tokens), args.temperature,
-                           None, seed=args.seed, decode=args.decode)
     rows = len(prompts) * G
-    fast = SimpleNamespace(**dict(vars(args), drop_equal_groups=False, mask_truncated=False))  # every sampled token
-    plain = SimpleNamespace(**dict(vars(fast), pack=False, device_batch_size=rows))
-    paths = {"fast": (fast, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
+    check = SimpleNamespace(**dict(vars(args), num_samples=G, num_minibatches=1, aggregation="token",
+                                   drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
+                                   advantage="mean", kl_coef=0.0, distill_coef=0.0, rollout_correction="off"))
+    plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
+    paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = torch.randn(rows, samples["tokens"].size(1) + max(map(len, prompts)),
-                          generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    advantages = torch.randn(rows, 1, generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    zero = [p for name, p in model.named_parameters() if name.endswith("c_proj.weight") and not p.any()]
+    # a fresh model's head is tiny too (nanochat's 0.001 std): its log-probs barely move with its hidden states
+    head = model.lm_head.weight.detach().clone() if zero else None
+    noise = torch.Generator().manual_seed(args.seed)
     results = {}
-    for name, (path_args, autocast) in paths.items():
-        batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
-                                     run.static_pack if path_args.pack else None), run.device)
-        logprobs = torch.zeros(rows, batch["input_ids"].size(1), device=run.device)
-        model.use_compile = args.compile and name == "fast"
-        with autocast:
+    try:
+        with torch.no_grad():
+            for p in zero + ([model.lm_head.weight] if zero else []):  # as the others start: 1 / sqrt(fan-in)
+                p.copy_(torch.randn(p.shape, generator=noise) / math.sqrt(p.size(1)))
+        model.eval()
+        with run.autocast:
+            samples = generate(model, run.tokenizer, prompts, G, min(new_tokens, args.max_new_tokens),
+                               args.temperature, None, seed=args.seed, decode=args.decode)
+        for name, (path_args, autocast) in paths.items():
+            batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
+                                         run.static_pack if path_args.pack else None), run.device)
+            denominator = batch["loss_mask"].sum()
+            logprobs = torch.zeros_like(batch["loss_mask"])  # [rows, width]
+            loss = 0.0
+            model.use_compile = args.compile and name == "fast"
             for mb in batch["micro_batches"]:
-                out = logprobs_of(model, mb, path_args) * mb["loss_mask"]  # [R, width]
-                logprobs = logprobs.index_copy(0, mb["rows"], F.pad(out, (0, logprobs.size(1) - out.size(1))))
-        grads = torch.autograd.grad((logprobs * weights[:, :logprobs.size(1)]).sum(), params)
-        results[name] = (logprobs.detach().float(), torch.cat([g.flatten().float() for g in grads]),
-                         batch["sampler_logprobs"] * batch["sampled_mask"])
-    model.use_compile = args.compile
+                with autocast:
+                    mb_loss, _, mb_logprobs = micro_batch_loss(model, mb, None, None, None, advantages[mb["rows"]],
+                                                               denominator, path_args)
+                loss = loss + mb_loss
+                logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
+            grads = torch.autograd.grad(loss, params)
+            results[name] = (logprobs, torch.cat([g.flatten().float() for g in grads]),
+                             batch["sampler_logprobs"] * batch["sampled_mask"])
+    finally:
+        model.use_compile = args.compile
+        with torch.no_grad():
+            for p in zero:
+                p.zero_()
+            if zero:
+                model.lm_head.weight.copy_(head)
     reference_logprobs, reference_grads, _ = results["float32"]
     def distance(name):
         logprobs, grads, _ = results[name]
@@ -1615,11 +1649,14 @@ def self_check(args, run, questions=4, new_tokens=16):
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
-    decode_path = f"the sampler's decode (--decode {args.decode})"
+    decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
+    # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
+    decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
+    decode_path = f"the sampler's decode (--decode {decode_mode}{', compiled' if args.compile and decode_flag else ''})"
     failed = [(what, value, bound, flag) for what, value, bound, flag in (
         (f"{fast_path}: log-probs", fast_lp, bound_lp, fast_flag),
         (f"{fast_path}: the gradient", fast_grad, bound_grad, fast_flag),
-        (f"{decode_path}: its log-probs", decode, bound_lp + plain_lp, "--decode dynamic"),
+        (f"{decode_path}: its log-probs", decode, bound_lp + plain_lp, decode_flag),
     ) if not value <= bound]
     if failed:
         what, value, bound, flag = failed[0]
@@ -1629,7 +1666,9 @@ def self_check(args, run, questions=4, new_tokens=16):
                  f"device; {remedy}, or --no-self-check to train anyway")
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
             f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}); {decode_path} log-probs {decode:.2e}; "
-            f"{rows} rows, {time.time() - start:.1f}s")
+            f"{rows} rows" + (f"; a fresh model's {len(zero)} zero output projections and its head filled with noise for it"
+                          if zero else "")
+            + f"; {time.time() - start:.1f}s")
 
 
 def load_policy(args, log, shapes_only=False):

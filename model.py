@@ -31,7 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 varlen_attn, VARLEN_GQA = None, False  # flash attention over packed rows (packed_attention), for CUDA runs only
-if torch.backends.cuda.is_built():  # a CPU build skips the import, which loads torch's compiler (~2 s a start)
+CUDA_BUILD = torch.backends.cuda.is_built()  # read once: a call inside a compiled forward breaks its graph
+if CUDA_BUILD:  # a CPU build skips the import, which loads torch's compiler (~2 s a start)
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.10: packed attention is exact everywhere
@@ -238,7 +239,7 @@ def flash_varlen_takes(cuda, dtype, head_dim):
     """varlen_attn's flash kernels take CUDA bf16/fp16 with a head size that is a multiple of 8, up to 256 (also
     read by grpo.py's memory plan, which counts the exact path's padded block elsewhere). torch before 2.11 has
     none that takes a window: there every device is exact. (A CPU build plans a GPU as the newest torch runs it.)"""
-    kernel = varlen_attn is not None or not torch.backends.cuda.is_built()
+    kernel = varlen_attn is not None or not CUDA_BUILD
     return cuda and kernel and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
 
 

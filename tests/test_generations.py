@@ -595,3 +595,18 @@ def test_the_compiled_passes_on_a_gpu_are_one_graph_each(monkeypatch):
     assert pack["max_len"] > 128 and model.windows[0] == 128  # rows past the short window: its mask in the graph
     for graphs in explained:
         assert graphs.graph_count == 1 and graphs.graph_break_count == 0, [r.reason for r in graphs.break_reasons]
+
+
+def test_the_compiled_packed_pass_on_a_cpu_is_one_graph():
+    # The CPU branch of packed attention (no flash kernel: a CPU build, or a float32 run) as --compile traces it:
+    # which branch runs is decided from the queries' device, dtype and the torch build, a question that must not
+    # cut the graph at every layer.
+    import torch._dynamo
+    batch, args = trainer_batch([20, 30], 3, 40, 384, static=True)
+    model = random_model("smear-backout", sequence_len=256)
+    first = batch["micro_batches"][0]
+    try:
+        graphs = torch._dynamo.explain(GPT.hidden)(model, first["input_ids"], pack=first["pack"])
+    finally:
+        torch._dynamo.reset()
+    assert graphs.graph_count == 1 and graphs.graph_break_count == 0, [r.reason for r in graphs.break_reasons]
