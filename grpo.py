@@ -872,7 +872,7 @@ def train(args, run):
 # =============================================================================
 
 def main(argv=None):
-    STOP.update(signal=None, at_step_end=False)
+    STOP.update(signal=None, since=0.0, at_step_end=False)
     args = resolve_config(argv)
     if args.compare:
         beside = os.path.commonpath([os.path.dirname(os.path.abspath(d)) for d in args.compare])  # the runs' folder
@@ -883,41 +883,44 @@ def main(argv=None):
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = int(os.environ.get("RANK", "0"))
     writes = args.resume or not (args.eval_only or args.ask)  # evaluating a checkpoint writes no run folder
-    try:
-        with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext(), stop_signals():
-            run = start_run(args, run_dir, rank, writes)
-            if args.eval_only or args.ask:
-                result = ask(args, run) if args.ask else run_eval(args, run, run.start_step, args.final_eval_examples)
+    with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
+        try:
+            with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext():
+                run = start_run(args, run_dir, rank, writes)
+                if args.eval_only or args.ask:
+                    result = ask(args, run) if args.ask else run_eval(args, run, run.start_step,
+                                                                      args.final_eval_examples)
+                    leave_process_group()
+                    return result
+                STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way,
+                if run.start_step == 0 and args.eval_every:
+                    run_eval(args, run, 0, args.eval_examples)
+                train(args, run)
+                STOP["at_step_end"] = False
+                run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
+                        f"metrics in {run.metrics_path}")
+                if run.master:  # the summary: this run as a one-row comparison table, and its curves
+                    compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
                 leave_process_group()
-                return result
-            STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way, saved
-            if run.start_step == 0 and args.eval_every:
-                run_eval(args, run, 0, args.eval_examples)
-            train(args, run)
-            STOP["at_step_end"] = False
-            run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
-                    f"metrics in {run.metrics_path}")
-            if run.master:  # the summary: this run as a one-row comparison table, and its curves
-                compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
-            leave_process_group()
-            return run.model
-    except OSError as e:
-        if e.errno not in WRITE_ERRNOS:
-            raise
-        stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
-                 "free disk space or make the folder writable")
-    except torch.OutOfMemoryError as e:
-        stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
-        stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
-    except RuntimeError as e:
-        if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
-            raise
-        world_size = dist.get_world_size()
-        other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within --dist-timeout "
-                 f"{args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
-                 "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows longer)")
+                return run.model
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
+                     "free disk space or make the folder writable")
+        except torch.OutOfMemoryError as e:
+            stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
+            stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
+        except RuntimeError as e:
+            if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
+                raise
+            world_size = dist.get_world_size()
+            other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
+                     f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
+                     "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
+                     "longer)")
 
 
 def out_of_memory(args, world_size, trace):
@@ -957,9 +960,12 @@ def out_of_memory(args, world_size, trace):
 OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 
 
-# A stop signal during the steps (--save-on-stop): its name, noted by stop_at_step_end; end_of_step then saves the
-# step under way and stops.
-STOP = {"signal": None, "at_step_end": False}
+# A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
+# then saves the step under way and stops.
+STOP = {"signal": None, "since": 0.0, "at_step_end": False}
+# The same signal again within this many seconds is the same stop: torchrun forwards every signal it gets to its
+# workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice.
+SIGNAL_REPEAT_SECONDS = 2.0
 
 
 @contextmanager
@@ -980,13 +986,18 @@ def stop_signals():
 
 def stop_at_step_end(signum, frame):
     """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    then stops); a second one, or one outside the steps, stops at once (after a write under way)."""
-    if not STOP["at_step_end"] or STOP["signal"]:
+    then stops); a second one, or one outside the steps, stops at once (after a write under way). The same signal
+    again within SIGNAL_REPEAT_SECONDS is the first one delivered twice (by the launcher too), and changes nothing."""
+    name, now = signal.Signals(signum).name, time.monotonic()
+    if STOP["signal"] == name and now - STOP["since"] < SIGNAL_REPEAT_SECONDS:
+        return
+    first = STOP["at_step_end"] and not STOP["signal"]
+    STOP.update(signal=name, since=now)
+    if not first:
         return stop_signal(signum, frame)
-    STOP["signal"] = signal.Signals(signum).name
     if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
-        os.write(2, f"{STOP['signal']}: the step under way finishes and is saved, then the run stops (a second "
-                    f"signal stops it at once)\n".encode())
+        os.write(2, f"{name}: the step under way finishes and is saved, then the run stops (a second signal, "
+                    f"{SIGNAL_REPEAT_SECONDS:.0f} s or more after this one, stops it at once)\n".encode())
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
@@ -1652,7 +1663,8 @@ def self_check(args, run, questions=4, new_tokens=16):
     decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
     # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
     decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
-    decode_path = f"the sampler's decode (--decode {decode_mode}{', compiled' if args.compile and decode_flag else ''})"
+    compiled = ", compiled" if args.compile and decode_flag else ""
+    decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
     failed = [(what, value, bound, flag) for what, value, bound, flag in (
         (f"{fast_path}: log-probs", fast_lp, bound_lp, fast_flag),
         (f"{fast_path}: the gradient", fast_grad, bound_grad, fast_flag),
@@ -1666,9 +1678,8 @@ def self_check(args, run, questions=4, new_tokens=16):
                  f"device; {remedy}, or --no-self-check to train anyway")
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
             f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}); {decode_path} log-probs {decode:.2e}; "
-            f"{rows} rows" + (f"; a fresh model's {len(zero)} zero output projections and its head filled with noise for it"
-                          if zero else "")
-            + f"; {time.time() - start:.1f}s")
+            f"{rows} rows" + (f"; a fresh model's {len(zero)} zero output projections and its head filled with "
+                              "noise for it" if zero else "") + f"; {time.time() - start:.1f}s")
 
 
 def load_policy(args, log, shapes_only=False):
@@ -2062,7 +2073,12 @@ def lock_run_dir(run_dir):
 
 
 def stop_run(run_dir, problem, remedy):
-    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it."""
+    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it. Rank 0
+    writes the checkpoints: another rank does not know whether one is being written, and names none."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
+                 "checkpoint to go on from)")
     found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
                    for s in complete_steps(d))
     then = f"{remedy}, then " if remedy else ""
@@ -2225,7 +2241,11 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
         if run.master:
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
-        stopping = stopping or (STOP["at_step_end"] and stop_requested(run))  # one that came during the save
+        # Every rank waits for rank 0's write: a launcher ends the job's other processes once one of them has
+        # ended (torchrun: SIGTERM, then SIGKILL after its --shutdown-timeout, 30 s), and a rank that stopped early
+        # would start that clock while the checkpoint is still being written.
+        requested = stop_requested(run)  # the barrier; and a stop that came during the save
+        stopping = stopping or (STOP["at_step_end"] and requested)
     if stopping and not last:
         raise KeyboardInterrupt(f"{STOP['signal'] or 'a stop signal on another rank'} at the end of step {step + 1}")
 

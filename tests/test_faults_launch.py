@@ -71,26 +71,6 @@ def script(tmp_path, name, *extra):
     return [sys.executable, os.path.join(ROOT, "grpo.py"), *flags(tmp_path, "--num-steps", "100000", *extra, name=name)]
 
 
-def test_a_schedulers_sigterm_stops_the_process_with_the_one_line_message(tmp_path):
-    # From outside, mid-run, as a scheduler's preemption sends it; SIGHUP and SIGINT take the same handler
-    # (test_a_signal_during_a_write_stops_after_it_with_the_one_line_message sends each in this process)
-    log = tmp_path / "err.txt"
-    process = subprocess.Popen(script(tmp_path, "preempted"), stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                               cwd=ROOT)
-    try:
-        wait_for(lambda: len(train_lines(tmp_path / "runs" / "preempted")) >= 2, 120, "two steps")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 1
-    finally:
-        process.kill()
-    err = log.read_text().strip()
-    assert "Traceback" not in err
-    # the step under way finished and was saved (--save-on-stop): the stop line names that checkpoint
-    stopped = re.match(r"error: stopped by SIGTERM at the end of step (\d+)\. The run's newest checkpoint, step (\d+) "
-                       r"in \S+, is complete and unchanged: go on from it with --resume$", err.splitlines()[-1])
-    assert stopped and stopped[1] == stopped[2], err
-
-
 class SignalHalfWay:
     """A file being written whose first write sends this process a signal half-way through its bytes: Python runs
     the handler right there, between the two halves, as when a scheduler's SIGTERM lands mid-write."""
@@ -220,13 +200,20 @@ def test_ctrl_c_saves_the_step_under_way_and_resume_equals_the_uninterrupted_run
         assert torch.equal(v, straight_run[k]), k
 
 
-def test_a_second_signal_or_no_save_on_stop_stops_at_once(tmp_path, monkeypatch):
-    for name, count, extra in (("twice", 2, []), ("no-save", 1, ["--no-save-on-stop"])):
+def test_a_second_signal_or_no_save_on_stop_stops_at_once_and_a_repeat_is_the_same_stop(tmp_path, monkeypatch):
+    # a person's second Ctrl-C (here: the repeat window shrunk to nothing); the same signal twice at once, as a
+    # launcher's forward delivers it, is one stop
+    for name, count, window, extra in (("twice", 2, 0.0, []), ("no-save", 1, None, ["--no-save-on-stop"]),
+                                       ("repeated", 2, None, [])):
         with monkeypatch.context() as patched:
             signals_in_update(patched, at_update=2, count=count)
+            if window is not None:
+                patched.setattr(grpo, "SIGNAL_REPEAT_SECONDS", window)
             with pytest.raises(SystemExit) as stop:
                 grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", *extra, name=name))
-        assert stop.value.code.startswith("error: stopped by SIGINT. No checkpoint of this run was saved"), name
+        expected = ("error: stopped by SIGINT at the end of step 2. The run's newest checkpoint, step 2 " if
+                    name == "repeated" else "error: stopped by SIGINT. No checkpoint of this run was saved")
+        assert stop.value.code.startswith(expected), (name, stop.value.code)
 
 
 def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
@@ -464,3 +451,114 @@ def test_the_update_ratio_is_the_relative_change_of_the_weights(tmp_path):
     assert stats["update_ratio"].item() == pytest.approx(((after - before).norm() / before.norm()).item(), rel=1e-6)
     assert stats["weight_norm_factor"].item() == pytest.approx(max(after.norm() / before.norm(),
                                                                    before.norm() / after.norm()).item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- stops under torchrun
+
+def torchrun_job(tmp_path, name, argv, log, **env):
+    """A 2-rank torchrun job of tests/slowed_run.py (grpo.py with test-only delays, set by env) -> (the launcher,
+    a function that waits for its two workers to start and gives their pids by rank)."""
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            f"--master_port={free_port()}", os.path.join("tests", "slowed_run.py"), *argv], cwd=ROOT, stdout=open(log, "w"),
+                           stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+
+    def workers():
+        def ranks():
+            found = {}
+            for pid in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split():
+                try:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\x00")
+                except OSError:
+                    continue
+                found.update({int(v[5:]): int(pid) for v in environ if v.startswith(b"RANK=")})
+            return found
+        wait_for(lambda: len(ranks()) == 2, 60, "two workers")
+        return ranks()
+    return job, workers
+
+
+def stop_lines(log):
+    """rank 0's and rank 1's one-line stops, from the job's mixed output."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+    return ([line for line in lines if "(rank 1:" not in line], [line for line in lines if "(rank 1:" in line])
+
+
+def test_a_signal_to_the_whole_torchrun_job_saves_the_step_and_resume_is_exact(tmp_path):
+    # A scheduler (or `kill -TERM -- -PGID`) signals every process of the job: each worker gets the signal itself
+    # and again from torchrun, which forwards it. That is one stop: the step under way is finished and saved, and
+    # each process ends with its one line. (SIGHUP and SIGINT take the same handler: the in-process tests send them.)
+    argv = flags(tmp_path, "--save-every", "0", name="signalled")
+    log = tmp_path / "job.txt"
+    job, workers = torchrun_job(tmp_path, "signalled", argv, log, NANOGRPO_TEST_UPDATE_SECONDS="1.5")
+    try:
+        pids = workers()
+        wait_for(lambda: len(train_lines(tmp_path / "runs" / "signalled")) >= 1, 120, "a step")
+        for pid in (job.pid, pids[0], pids[1]):  # step 2's update is under way (its sleep: 1.5 s)
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.2)
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+    rank0, rank1 = stop_lines(log)
+    assert len(rank0) == 1 and re.match(r"error: stopped by SIGTERM at the end of step 2\. The run's newest "
+                                        r"checkpoint, step 2 in \S+, is complete", rank0[0]), log.read_text()
+    assert rank1 == ["error: stopped by SIGTERM at the end of step 2 (rank 1: rank 0's line names the checkpoint to "
+                     "go on from)"], log.read_text()
+    # on as 2 ranks, against the same run never stopped (each its 2 ranks, one launch)
+    from test_grpo import launch_ranks
+    wait = launch_ranks([flags(tmp_path, "--save-every", "0", name="straight"), argv + ["--resume"]],
+                        [tmp_path / f"rank{r}.txt" for r in range(2)], free_port())
+    wait()
+    for (k, a), b in zip(final_weights(tmp_path / "runs" / "straight", 4).items(),
+                         final_weights(tmp_path / "runs" / "signalled", 4).values()):
+        assert torch.equal(a, b), k
+
+
+# A stand-in for torchrun's handling of a worker that fails (torch 2.13, LocalElasticAgent._stop_workers): SIGTERM
+# to the others, SIGKILL to those still there 30 s later (not its --shutdown-timeout: that is for signals to it);
+# here after argv[1] seconds. Workers get torchrun's environment; it prints their pids.
+FAILING_WORKER_LAUNCHER = """
+import os, signal, subprocess, sys, time
+kill_after, command = float(sys.argv[1]), sys.argv[2:]
+workers = [subprocess.Popen(command, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                              LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="test")) for r in range(2)]
+print(*(w.pid for w in workers), flush=True)
+while not any(w.poll() for w in workers) and not all(w.poll() == 0 for w in workers):
+    time.sleep(0.05)
+for w in workers:
+    if w.poll() is None:
+        w.send_signal(signal.SIGTERM)
+deadline = time.time() + kill_after
+while time.time() < deadline and any(w.poll() is None for w in workers):
+    time.sleep(0.05)
+for w in workers:
+    if w.poll() is None:
+        w.kill()
+"""
+
+
+def test_a_stop_on_one_rank_waits_for_rank_0s_long_write(tmp_path):
+    # A signal to rank 1 alone: every rank finishes the step, rank 0 writes the checkpoint, and rank 1 stays until
+    # the write is done. Had rank 1 ended first, the launcher would have ended rank 0 mid-write (torchrun: SIGKILL
+    # 30 s after the first worker failed; here 1 s, and the write takes 3 s).
+    argv = flags(tmp_path, "--save-every", "0", name="one-rank")
+    log = tmp_path / "job.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+               NANOGRPO_TEST_UPDATE_SECONDS="1.0", NANOGRPO_TEST_SAVE_SECONDS="3")
+    job = subprocess.Popen([sys.executable, "-c", FAILING_WORKER_LAUNCHER, "1", sys.executable,
+                            os.path.join("tests", "slowed_run.py"), *argv], cwd=ROOT, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=open(log, "w"))
+    try:
+        pids = [int(pid) for pid in job.stdout.readline().split()]
+        wait_for(lambda: len(train_lines(tmp_path / "runs" / "one-rank")) >= 1, 120, "a step")
+        os.kill(pids[1], signal.SIGINT)
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+    rank0, rank1 = stop_lines(log)
+    assert len(rank0) == 1 and re.match(r"error: stopped by a stop signal on another rank at the end of step 2\. "
+                                        r"The run's newest checkpoint, step 2 in \S+, is complete", rank0[0]), \
+        log.read_text()
+    assert rank1 == ["error: stopped by SIGINT at the end of step 2 (rank 1: rank 0's line names the checkpoint to "
+                     "go on from)"], log.read_text()
+    assert grpo.complete_steps(str(tmp_path / "runs" / "one-rank" / "chatrl_checkpoints" / "d2")) == [2]
