@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import json
 import math
@@ -13,8 +14,8 @@ import grpo
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
-from conftest import free_port
-from rank_runs import copy_without_step
+from conftest import GSM8K_DIR, free_port
+from rank_runs import copy_without_step, rehearsal
 from test_generations import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -879,11 +880,43 @@ def resume_test_flags(root, name, *more):
                      "--lr", "1e-3", "--entropy-coef", "0", "--device-batch-size", "4", *more)
 
 
+# The main command rehearsed: grpo.py from nanochat fixture checkpoints (random weights, their output projections
+# not zero: log-probs that depend on the context) on GSM8K, with what a GPU run takes by default wherever a CPU can:
+# the default algorithm and --num-samples (or full GRPO), the start-up self-check, --compile's static packed passes
+# and static decode (rank_runs.rehearsal: the compiler and a trained model's rewards stood in for), the evals; one
+# process and 2 ranks. Smaller: questions a step, reply and eval lengths, the shortest problems (short_gsm8k). Not
+# taken: bf16 (a CPU emulates its matmuls: 3x the time; test_bf16.py and the self-check tests run it).
+REHEARSALS = {"reinforce-smear-backout": ("smear-backout", []), "grpo-classic": ("classic", ["--algo", "grpo"])}
+HAS_REHEARSALS = os.path.isdir(FIXTURES) and os.path.isfile(os.path.join(GSM8K_DIR, "train.jsonl"))
+
+
+def short_gsm8k(folder, train=32, test=8):
+    """Real GSM8K problems, the shortest questions of each split: static passes are shaped by the longest prompt
+    of the task (995 tokens in the byte-level fixtures), and a CPU's exact attention pays for that shape in full."""
+    folder.mkdir(exist_ok=True)
+    for split, count in (("train", train), ("test", test)):
+        lines = open(os.path.join(GSM8K_DIR, f"{split}.jsonl")).readlines()
+        (folder / f"{split}.jsonl").write_text("".join(sorted(lines, key=lambda l: len(json.loads(l)["question"]))[
+            :count]))
+    return folder
+
+
+def rehearsal_flags(root, name, ranks):
+    generation, extra = REHEARSALS[name]
+    return ["--init", os.path.join(FIXTURES, generation, "base", "chatsft_checkpoints", "d4"), "--task", "gsm8k",
+            "--gsm8k-dir", str(root / "gsm8k"), "--device", "cpu", "--runs-dir", str(root), "--run-name", f"{name}-{ranks}",
+            "--self-check", "--compile", "--decode", "static", "--prompts-per-step", "2",
+            "--max-new-tokens", "24", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
+            "--eval-examples", "2", "--final-eval-examples", "2", "--eval-max-new-tokens", "24", "--pass-k", "2",
+            *extra]
+
+
 @pytest.fixture(scope="module")
 def rank_runs(tmp_path_factory):
     """Every 2-rank run the rank tests compare, in one launch, and meanwhile the same runs in this process: for
     each setting <setting>-ddp and <setting>-single; muon-v5-whole (2 ranks, not sharded); resume-ddp and
-    resume-single, then their copies without step 4 resumed on 2 ranks (ddp-on-2, single-on-2: the resume test).
+    resume-single, then their copies without step 4 resumed on 2 ranks (ddp-on-2, single-on-2: the resume test);
+    the rehearsals, <name>-2 and <name>-1 (this process's output in rehearsals.txt).
     -> the folder of their run folders."""
     root = tmp_path_factory.mktemp("ranks")
     in_this_process(resume_test_flags(root, "resume-single"))  # before the launch, which resumes a copy of it
@@ -894,11 +927,44 @@ def rank_runs(tmp_path_factory):
             resume_test_flags(root, "resume-ddp", "--self-check"),  # the start-up check's all-reduce on 2 ranks
             {"copy": [str(root / "resume-ddp"), str(root / "ddp-on-2"), 4]},
             resume_test_flags(root, "ddp-on-2", "--resume"), resume_test_flags(root, "single-on-2", "--resume")]
+    if HAS_REHEARSALS:
+        short_gsm8k(root / "gsm8k")
+        ddp += [{"rehearsal": rehearsal_flags(root, name, 2)} for name in REHEARSALS]
     wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], free_port())
     for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings]:
         in_this_process(flags)
+    with open(root / "rehearsals.txt", "w") as out, contextlib.redirect_stdout(out), rehearsal():
+        for name in REHEARSALS if HAS_REHEARSALS else []:
+            in_this_process(rehearsal_flags(root, name, 1))
     wait()
     return root
+
+
+@pytest.mark.xdist_group("rank_runs")
+@pytest.mark.parametrize("name", list(REHEARSALS))
+def test_the_main_command_rehearsed_on_one_process_and_two_ranks(rank_runs, name):
+    if not HAS_REHEARSALS:
+        pytest.skip("nanochat fixtures or GSM8K not found (../shared)")
+    runs = {ranks: rank_runs / f"{name}-{ranks}" for ranks in (1, 2)}
+    config = json.load(open(runs[2] / "config.json"))
+    assert (config["world_size"], config["num_samples"], config["compile"], config["decode"]) == (2, 16, True, "static")
+    # each run's start-up check passed on the run's own fast path (the packed, static, compiled one), 2 replies a
+    # question whatever --num-samples
+    for log in (rank_runs / "rehearsals.txt", rank_runs / "rank0.txt"):
+        assert log.read_text().count("self-check: packed passes, compiled vs the plain float32 path") >= (
+            list(REHEARSALS).index(name) + 1)
+    logs = [[json.loads(line) for line in open(runs[ranks] / "metrics.jsonl")] for ranks in (1, 2)]
+    steps = [[m for m in log if "reward" in m] for log in logs]
+    assert [len(s) for s in steps] == [2, 2] and [m["eval_examples"] for m in logs[1] if "eval_reward" in m] == [2, 2]
+    assert [m["reward"] for m in steps[0]] == [m["reward"] for m in steps[1]]  # the same replies, the same scores
+    assert 0 < steps[0][0]["reward"] < 1 and steps[0][0]["equal_group_frac"] < 1  # an update with something to learn
+    assert steps[0][0]["loss"] == pytest.approx(steps[1][0]["loss"], rel=1e-3, abs=1e-5)
+    tag = "d4"
+    start = load_checkpoint(os.path.join(FIXTURES, REHEARSALS[name][0], "base", "chatsft_checkpoints", tag))[0]
+    one, two = (load_checkpoint(str(runs[ranks] / "chatrl_checkpoints" / tag), 1)[0].state_dict() for ranks in (1, 2))
+    assert any(not torch.equal(v, start.state_dict()[k]) for k, v in one.items())  # the step moved the weights
+    for k in one:  # ranks sum in another order: the same step up to float rounding (as the rank tests)
+        torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.xdist_group("rank_runs")  # pytest -n: one worker runs the fixture's launch, once

@@ -42,3 +42,43 @@ def test_a_faulty_fast_path_stops_the_run_at_start_with_one_line_and_writes_noth
     assert message.startswith("error: self-check: packed passes") and "--no-pack" in message
     assert "\n" not in message
     assert all(set(os.listdir(run_dir)) <= {".lock"} for run_dir in tmp_path.iterdir())  # nothing but the lock
+
+
+def fixture_flags(tmp_path, gsm8k_dir, generation, *extra):
+    from test_generations import FIXTURES
+    checkpoint = os.path.join(FIXTURES, generation, "base", "chatsft_checkpoints", "d4")
+    if not os.path.isdir(checkpoint):
+        pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
+    return ["--init", checkpoint, "--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--device", "cpu", "--runs-dir",
+            str(tmp_path), "--num-steps", "1", "--prompts-per-step", "1", "--max-new-tokens", "8", "--eval-every", "0",
+            "--final-eval-examples", "1", "--pass-k", "0", "--self-check", *extra]
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "grpo"])
+def test_the_check_takes_its_own_replies_a_question_whatever_the_runs(tmp_path, capsys, gsm8k_dir, algo):
+    # A checkpoint whose log-probs depend on the context (the run's 4 replies a question, the check's 2: a prompt
+    # mix-up would show; nanochat's aggregation, whose passes are shaped by the replies a question). The default 16:
+    # the rehearsal tests (test_grpo.py).
+    grpo.main(fixture_flags(tmp_path, gsm8k_dir, "value-embeds", "--algo", algo, "--num-samples", "4"))
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("self-check:"))
+    assert "; 8 rows;" in line and "zero output projections" not in line
+
+
+def neighbours_output(q, k, v, pack, mask, window, gqa, attention=model_module.packed_attention):
+    """Packed attention gone wrong in one place: position 5 of the packed sequence gets position 4's output."""
+    y = attention(q, k, v, pack, mask, window, gqa).clone()
+    y[5] = y[4]
+    return y
+
+
+@pytest.mark.parametrize("start", ["demo", "fixture"])
+def test_an_attention_fault_stops_the_run_at_its_self_check(tmp_path, monkeypatch, gsm8k_dir, start):
+    # A fresh model (the demo's) attends to nothing (nanochat's init zeroes the output projections) and its head is
+    # tiny: the check fills both with noise, so that a fault shows there too.
+    monkeypatch.setattr(model_module, "packed_attention", neighbours_output)
+    argv = (FLAGS + ["--runs-dir", str(tmp_path)] if start == "demo" else
+            fixture_flags(tmp_path, gsm8k_dir, "smear-backout"))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(argv)
+    message = str(stop.value.code)
+    assert message.startswith("error: self-check: packed passes: log-probs differ") and "--no-pack" in message
