@@ -7,15 +7,19 @@ the runs; each run is grpo.main with its flags, as `python grpo.py <flags>` runs
 
 An entry {"copy": [RUN_DIR, NEW_DIR, STEP]} instead of flags: rank 0 copies a run folder finished by an earlier
 entry without its checkpoint of STEP (as if the run had stopped before saving it: copy_without_step), for a later
-entry to resume, and the ranks go on together. An entry {"rehearsal": FLAGS}: the run as rehearsal() has it.
+entry to resume, and the ranks go on together. An entry {"flags": FLAGS, ...} runs FLAGS with test-only changes:
+"rehearsal": true, as rehearsal() has it; "update_seconds" / "save_seconds": a sleep before each policy update /
+inside rank 0's checkpoint write (slow enough that a signal lands in it, as in a production step or a network-disk
+write; the signal tests run this under torchrun).
 """
 import glob
 import json
 import os
 import shutil
 import sys
+import time
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
@@ -42,6 +46,27 @@ def rehearsal():
         model.compiled_hidden, model.compiled_head_logprobs, model.compiled_decode_step, GSM8K.reward = saved
 
 
+@contextmanager
+def slowed(update_seconds=0.0, save_seconds=0.0):
+    """Each policy update starts update_seconds late; rank 0's checkpoint writes take save_seconds longer (a stop
+    signal that comes then waits for the write, as for a real one)."""
+    update, save = grpo.policy_update, grpo.save_training_state
+
+    def slow_update(*a, **k):
+        time.sleep(update_seconds)
+        return update(*a, **k)
+
+    def slow_save(*a, **k):
+        with model.writing():
+            time.sleep(save_seconds)
+            return save(*a, **k)
+    grpo.policy_update, grpo.save_training_state = slow_update, slow_save
+    try:
+        yield
+    finally:
+        grpo.policy_update, grpo.save_training_state = update, save
+
+
 def copy_without_step(run_dir, new_dir, step):
     shutil.copytree(run_dir, new_dir)
     for path in glob.glob(os.path.join(new_dir, "chatrl_checkpoints", "*", f"*_{step:06d}.*")):
@@ -59,8 +84,9 @@ if __name__ == "__main__":
                 copy_without_step(*entry["copy"])
             dist.barrier()
         elif isinstance(entry, dict):
-            with rehearsal():
-                grpo.main(entry["rehearsal"])
+            with rehearsal() if entry.get("rehearsal") else nullcontext(), slowed(entry.get("update_seconds", 0.0),
+                                                                                  entry.get("save_seconds", 0.0)):
+                grpo.main(entry["flags"])
         else:
             grpo.main(entry)
     leave()

@@ -455,66 +455,6 @@ def test_the_update_ratio_is_the_relative_change_of_the_weights(tmp_path):
 
 # ---------------------------------------------------------------------------- stops under torchrun
 
-def torchrun_job(tmp_path, name, argv, log, **env):
-    """A 2-rank torchrun job of tests/slowed_run.py (grpo.py with test-only delays, set by env) -> (the launcher,
-    a function that waits for its two workers to start and gives their pids by rank)."""
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                            f"--master_port={free_port()}", os.path.join("tests", "slowed_run.py"), *argv], cwd=ROOT, stdout=open(log, "w"),
-                           stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
-
-    def workers():
-        def ranks():
-            found = {}
-            for pid in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split():
-                try:
-                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\x00")
-                except OSError:
-                    continue
-                found.update({int(v[5:]): int(pid) for v in environ if v.startswith(b"RANK=")})
-            return found
-        wait_for(lambda: len(ranks()) == 2, 60, "two workers")
-        return ranks()
-    return job, workers
-
-
-def stop_lines(log):
-    """rank 0's and rank 1's one-line stops, from the job's mixed output."""
-    lines = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
-    return ([line for line in lines if "(rank 1:" not in line], [line for line in lines if "(rank 1:" in line])
-
-
-def test_a_signal_to_the_whole_torchrun_job_saves_the_step_and_resume_is_exact(tmp_path):
-    # A scheduler (or `kill -TERM -- -PGID`) signals every process of the job: each worker gets the signal itself
-    # and again from torchrun, which forwards it. That is one stop: the step under way is finished and saved, and
-    # each process ends with its one line. (SIGHUP and SIGINT take the same handler: the in-process tests send them.)
-    argv = flags(tmp_path, "--save-every", "0", name="signalled")
-    log = tmp_path / "job.txt"
-    job, workers = torchrun_job(tmp_path, "signalled", argv, log, NANOGRPO_TEST_UPDATE_SECONDS="1.0")
-    try:
-        pids = workers()
-        wait_for(lambda: len(train_lines(tmp_path / "runs" / "signalled")) >= 1, 120, "a step")
-        for pid in (job.pid, pids[0], pids[1]):  # step 2 is under way (its update's sleep: 1 s)
-            os.kill(pid, signal.SIGTERM)
-            time.sleep(0.2)
-        job.wait(timeout=60)
-    finally:
-        job.kill()
-    rank0, rank1 = stop_lines(log)
-    stopped = re.match(r"error: stopped by SIGTERM at the end of step ([23])\. The run's newest checkpoint, step "
-                       r"\1 in \S+, is complete", rank0[0] if len(rank0) == 1 else "")
-    assert stopped, log.read_text()  # the step under way (2, or on a slow machine 3 of 4)
-    assert rank1 == [f"error: stopped by SIGTERM at the end of step {stopped[1]} (rank 1: rank 0's line names the "
-                     "checkpoint to go on from)"], log.read_text()
-    # on as 2 ranks, against the same run never stopped (each its 2 ranks, one launch)
-    from test_grpo import launch_ranks
-    wait = launch_ranks([flags(tmp_path, "--save-every", "0", name="straight"), argv + ["--resume"]],
-                        [tmp_path / f"rank{r}.txt" for r in range(2)], free_port())
-    wait()
-    for (k, a), b in zip(final_weights(tmp_path / "runs" / "straight", 4).items(),
-                         final_weights(tmp_path / "runs" / "signalled", 4).values()):
-        assert torch.equal(a, b), k
-
-
 # A stand-in for torchrun's handling of a worker that fails (torch 2.13, LocalElasticAgent._stop_workers): SIGTERM
 # to the others, SIGKILL to those still there 30 s later (not its --shutdown-timeout: that is for signals to it);
 # here after argv[1] seconds. Workers get torchrun's environment; it prints their pids.
@@ -538,29 +478,80 @@ for w in workers:
 """
 
 
-def test_a_stop_on_one_rank_waits_for_rank_0s_long_write(tmp_path):
-    # A signal to rank 1 alone: every rank finishes the step, rank 0 writes the checkpoint, and rank 1 stays until
-    # the write is done. Had rank 1 ended first, the launcher would have ended rank 0 mid-write (torchrun: SIGKILL
-    # 30 s after the first worker failed; here 0.5 s, and the write takes 2 s).
-    argv = flags(tmp_path, "--save-every", "0", name="one-rank")
-    log = tmp_path / "job.txt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-               NANOGRPO_TEST_UPDATE_SECONDS="0.5", NANOGRPO_TEST_SAVE_SECONDS="2")
+def worker_pids(launcher):
+    """The pids of a torchrun launcher's two workers, by rank, once both have started."""
+    def ranks():
+        found = {}
+        for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split():
+            try:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\x00")
+            except OSError:
+                continue
+            found.update({int(v[5:]): int(pid) for v in environ if v.startswith(b"RANK=")})
+        return found
+    wait_for(lambda: len(ranks()) == 2, 60, "two workers")
+    return ranks()
+
+
+def stop_lines(log, run_dir):
+    """rank 0's and rank 1's one-line stops, from a job's mixed output -> (the step they say the run stopped at,
+    that step's checkpoint being the newest complete one; rank 1's line)"""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+    rank0 = [line for line in lines if "(rank 1:" not in line]
+    stopped = re.match(r"error: stopped by .* at the end of step (\d+)\. The run's newest checkpoint, step \1 in "
+                       r"\S+, is complete", rank0[0] if len(rank0) == 1 else "")
+    assert stopped, log.read_text()
+    step = int(stopped[1])
+    assert grpo.complete_steps(str(run_dir / "chatrl_checkpoints" / "d2"))[-1] == step
+    return step, [line for line in lines if "(rank 1:" in line]
+
+
+def test_signals_to_a_torchrun_job_save_the_step_under_way_and_it_resumes_exactly(tmp_path):
+    # 1. A scheduler (or `kill -TERM -- -PGID`) signals every process of a job: each worker gets the signal itself
+    # and again from torchrun, which forwards it. That is one stop: the step under way is finished and saved, and
+    # each process ends with its one line. (SIGHUP and SIGINT take the same handler: the in-process tests send them.)
+    # The job first runs the same run unstopped, saving every step: the reference.
+    runs = tmp_path / "runs"
+    straight = flags(tmp_path, "--num-steps", "6", name="straight")
+    argv = flags(tmp_path, "--num-steps", "6", "--save-every", "0", name="signalled")
+    listing, log = tmp_path / "job.json", tmp_path / "job.txt"
+    listing.write_text(json.dumps([straight, {"flags": argv, "update_seconds": 1.0}]))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            f"--master_port={free_port()}", os.path.join("tests", "rank_runs.py"), str(listing)],
+                           cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        pids = worker_pids(job)
+        wait_for(lambda: len(train_lines(runs / "signalled")) >= 1, 120, "a step")
+        for pid in (job.pid, pids[0], pids[1]):  # the next step is under way (its update starts 1 s late)
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.2)
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+    step, rank1 = stop_lines(log, runs / "signalled")
+    assert rank1 == [f"error: stopped by SIGTERM at the end of step {step} (rank 1: rank 0's line names the "
+                     "checkpoint to go on from)"], log.read_text()
+    # 2. Resumed, and stopped again by a signal to rank 1 alone while rank 0's checkpoint write takes longer than
+    # the launcher waits for the others once one has ended (torchrun: SIGKILL 30 s after the first worker failed;
+    # here 0.5 s, and the write 2 s): every rank stays until the write is done.
+    listing.write_text(json.dumps([{"flags": argv + ["--resume"], "update_seconds": 0.5, "save_seconds": 2.0}]))
+    log = tmp_path / "resumed.txt"
     job = subprocess.Popen([sys.executable, "-c", FAILING_WORKER_LAUNCHER, "0.5", sys.executable,
-                            os.path.join("tests", "slowed_run.py"), *argv], cwd=ROOT, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=open(log, "w"))
+                            os.path.join("tests", "rank_runs.py"), str(listing)], cwd=ROOT, text=True,
+                           env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()), stdout=subprocess.PIPE,
+                           stderr=open(log, "w"))
     try:
         pids = [int(pid) for pid in job.stdout.readline().split()]
-        wait_for(lambda: len(train_lines(tmp_path / "runs" / "one-rank")) >= 1, 120, "a step")
+        wait_for(lambda: len(train_lines(runs / "signalled")) > step, 120, "a resumed step")
         os.kill(pids[1], signal.SIGINT)
         job.wait(timeout=60)
     finally:
         job.kill()
-    rank0, rank1 = stop_lines(log)
-    stopped = re.match(r"error: stopped by a stop signal on another rank at the end of step ([23])\. The run's "
-                       r"newest checkpoint, step \1 in \S+, is complete", rank0[0] if len(rank0) == 1 else "")
-    assert stopped, log.read_text()
-    assert rank1 == [f"error: stopped by SIGINT at the end of step {stopped[1]} (rank 1: rank 0's line names the "
-                     "checkpoint to go on from)"], log.read_text()
-    checkpoints = str(tmp_path / "runs" / "one-rank" / "chatrl_checkpoints" / "d2")
-    assert grpo.complete_steps(checkpoints) == [int(stopped[1])]
+    resumed, rank1 = stop_lines(log, runs / "signalled")
+    assert step < resumed < 6 and rank1 == [f"error: stopped by SIGINT at the end of step {resumed} (rank 1: rank "
+                                            "0's line names the checkpoint to go on from)"], log.read_text()
+    # the steps resumed are those of the run never stopped, bit for bit
+    for (k, a), b in zip(final_weights(runs / "straight", resumed).items(),
+                         final_weights(runs / "signalled", resumed).values()):
+        assert torch.equal(a, b), k

@@ -906,8 +906,8 @@ def rehearsal_flags(root, name, ranks):
     return ["--init", os.path.join(FIXTURES, generation, "base", "chatsft_checkpoints", "d4"), "--task", "gsm8k",
             "--gsm8k-dir", str(root / "gsm8k"), "--device", "cpu", "--runs-dir", str(root), "--run-name", f"{name}-{ranks}",
             "--self-check", "--compile", "--decode", "static", "--prompts-per-step", "2",
-            "--max-new-tokens", "24", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
-            "--eval-examples", "2", "--final-eval-examples", "2", "--eval-max-new-tokens", "24", "--pass-k", "2",
+            "--max-new-tokens", "16", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
+            "--eval-examples", "2", "--final-eval-examples", "2", "--eval-max-new-tokens", "16", "--pass-k", "2",
             *extra]
 
 
@@ -929,7 +929,7 @@ def rank_runs(tmp_path_factory):
             resume_test_flags(root, "ddp-on-2", "--resume"), resume_test_flags(root, "single-on-2", "--resume")]
     if HAS_REHEARSALS:
         short_gsm8k(root / "gsm8k")
-        ddp += [{"rehearsal": rehearsal_flags(root, name, 2)} for name in REHEARSALS]
+        ddp += [{"flags": rehearsal_flags(root, name, 2), "rehearsal": True} for name in REHEARSALS]
     wait = launch_ranks(ddp, [root / f"rank{r}.txt" for r in range(2)], free_port())
     for flags in [rank_test_flags(root, s, f"{s}-single") for s in settings]:
         in_this_process(flags)
@@ -965,6 +965,14 @@ def test_the_main_command_rehearsed_on_one_process_and_two_ranks(rank_runs, name
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in one.items())  # the step moved the weights
     for k in one:  # ranks sum in another order: the same step up to float rounding (as the rank tests)
         torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
+    # written back in the start checkpoint's format and generation: nanochat loads it
+    start_dir = os.path.join(FIXTURES, REHEARSALS[name][0], "base", "chatsft_checkpoints", tag)
+    original = torch.load(os.path.join(start_dir, "model_000650.pt"), weights_only=True)
+    saved = torch.load(runs[2] / "chatrl_checkpoints" / tag / "model_000002.pt", weights_only=True)
+    assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in original.items()}
+    meta = json.load(open(runs[2] / "chatrl_checkpoints" / tag / "meta_000002.json"))
+    assert meta["model_config"] == json.load(open(os.path.join(start_dir, "meta_000650.json")))["model_config"]
+    assert load_checkpoint(str(runs[2] / "chatrl_checkpoints" / tag))[0].generation_name == REHEARSALS[name][0]
 
 
 @pytest.mark.xdist_group("rank_runs")  # pytest -n: one worker runs the fixture's launch, once
