@@ -588,7 +588,7 @@ def test_the_compiled_packed_pass_on_a_cpu_is_one_graph():
     # cut the graph at every layer.
     import torch._dynamo
     batch, args = trainer_batch([20, 30], 3, 40, 384, static=True)
-    model = random_model("smear-backout", sequence_len=256)
+    model = random_model("smear-backout", n_layer=2, sequence_len=256)
     first = batch["micro_batches"][0]
     try:
         graphs = torch._dynamo.explain(GPT.hidden)(model, first["input_ids"], pack=first["pack"])
