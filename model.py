@@ -1124,11 +1124,21 @@ def atomic_save(obj, path):
         _atomic_save(obj, path)
 
 
+def new_file_mode():
+    """The mode open() gives a new file, 0o666 less the process's umask: a temporary file (mkstemp: 0600) renamed
+    into place gets it, so that a run folder is as readable as the user's other files (a teammate, an eval service,
+    nanochat's tools under another account)."""
+    umask = os.umask(0o077)  # read by setting it: put back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _atomic_save(obj, path):
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f:
             if isinstance(obj, bytes):
                 f.write(obj)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import urllib.request
 
+from model import new_file_mode
 from tasks import Task
 
 SPLIT_ROWS = {"train": 7473, "test": 1319}
@@ -164,6 +165,7 @@ def download(split, path, url):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{split}_", suffix=".part")
     print(f"downloading GSM8K {split} from {url}", file=sys.stderr, flush=True)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as response:
             total, done = int(response.headers.get("Content-Length") or 0), 0
             while chunk := response.read(1 << 16):

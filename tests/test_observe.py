@@ -206,3 +206,17 @@ def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(
     replies = grpo.main(["--demo", "--init", checkpoint, "--ask", "hello?", "--num-samples", "2",
                          "--runs-dir", str(tmp_path)])
     assert [reward for _, reward in replies] == [None] * 3 and "no grade" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_run_folders_files_have_the_umasks_mode(tmp_path, umask):
+    # as nanochat's own saves and any file a user creates: readable by a teammate, an eval service, nanochat's
+    # chat tools under another account, as far as the user's umask allows (a temporary file is created 0600)
+    previous = os.umask(umask)
+    try:
+        grpo.main(flags(tmp_path, "--num-steps", "1", "--eval-every", "1", "--eval-examples", "2"))
+    finally:
+        os.umask(previous)
+    modes = {str(path.relative_to(tmp_path)): path.stat().st_mode & 0o777
+             for path in (tmp_path / "runs").rglob("*") if path.is_file()}
+    assert len(modes) >= 8 and modes == {path: 0o666 & ~umask for path in modes}, modes

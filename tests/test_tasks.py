@@ -224,3 +224,19 @@ def test_every_task_scores_its_first_term_as_its_reward(gsm8k_dir):
             parts = task.reward_parts(conversation, reply)
             assert list(parts) == list(task.reward_terms)
             assert parts[task.reward_terms[0]] == task.reward(conversation, reply)
+
+
+def test_the_downloaded_gsm8k_cache_has_the_umasks_mode(tmp_path, monkeypatch, gsm8k_dir):
+    import io
+    import tasks.gsm8k as gsm8k
+
+    class Response(io.BytesIO):  # the official file, as urlopen would serve it
+        headers = {}
+    data = open(os.path.join(gsm8k_dir, "test.jsonl"), "rb").read()
+    monkeypatch.setattr(gsm8k.urllib.request, "urlopen", lambda url, timeout: Response(data))
+    previous = os.umask(0o022)
+    try:
+        gsm8k.download("test", str(tmp_path / "test.jsonl"), "https://example.invalid/test.jsonl")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "test.jsonl").read_bytes() == data and (tmp_path / "test.jsonl").stat().st_mode & 0o777 == 0o644
