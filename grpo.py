@@ -243,7 +243,7 @@ arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help=
 arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
-    "in the runs' common folder, or --compare-out)")
+    "beside the runs when they are in one folder, else in the current one; or --compare-out)")
 arg("--compare-out", default=None, metavar="PNG", help="--compare: where the plot goes")
 arg = parser.add_argument_group("devices and processes").add_argument
 arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
@@ -874,9 +874,14 @@ def train(args, run):
 def main(argv=None):
     STOP.update(signal=None, since=0.0, at_step_end=False)
     args = resolve_config(argv)
-    if args.compare:
-        beside = os.path.commonpath([os.path.dirname(os.path.abspath(d)) for d in args.compare])  # the runs' folder
-        return compare_runs(args.compare, args.compare_out or os.path.join(beside, "compare.png"))
+    if args.compare:  # the plot beside the runs when they share a folder, else in the current one
+        folders = {os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in args.compare}
+        plot_path = args.compare_out or os.path.join(folders.pop() if len(folders) == 1 else ".", "compare.png")
+        try:
+            return compare_runs(args.compare, plot_path)
+        except OSError as e:  # the table is printed: only the plot is missing
+            sys.exit(f"error: cannot write the plot {plot_path} ({e.strerror}): pass --compare-out with a file in a "
+                     "writable folder")
     run_dir = os.path.join(args.runs_dir, args.run_name)
     if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
@@ -3040,9 +3045,10 @@ def plot_runs(names, configurations, plot_path):
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
-    atomic_save(png.getvalue(), plot_path)
     plt.close(fig)  # a long-lived process (the tests, a notebook) would otherwise keep every figure
-    print(f"plot: {plot_path}")
+    replaced = os.path.exists(plot_path)
+    atomic_save(png.getvalue(), plot_path)
+    print(f"plot: {plot_path}" + (" (replaced the one there)" if replaced else ""))
 
 
 if __name__ == "__main__":

@@ -1122,7 +1122,8 @@ def test_eval_only_and_compare(tmp_path, capsys):
         grpo.main(["--compare", str(tmp_path / "missing")])
 
 
-def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
+def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs in several folders: the plot goes to the current one
     for seed in ("0", "1"):
         grpo.main(run_flags(tmp_path, f"cfg-seed{seed}", "--num-steps", "2", "--seed", seed, "--eval-every", "1",
                             "--eval-examples", "8"))
@@ -1148,6 +1149,28 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys):
     # and a seed of a configuration under another folder name joins it
     table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
     assert [row[table[0].index("seeds")] for row in table[1:]] == [2]
+
+
+def test_compares_plot_goes_beside_the_runs_or_here_and_a_failed_write_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path / "..")
+    for folder in ("a", "b"):
+        grpo.main(run_flags(tmp_path / folder, "run", "--num-steps", "1"))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    grpo.main(["--compare", str(tmp_path / "a" / "run")])  # one folder: beside the run
+    grpo.main(["--compare", str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")])  # two: here, not their parent
+    grpo.main(["--compare", str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")])  # again: it says so
+    assert capsys.readouterr().out.count("plot: ") == 3
+    assert (tmp_path / "a" / "compare.png").is_file() and (here / "compare.png").is_file()
+    assert not (tmp_path / "compare.png").exists()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(["--compare", str(tmp_path / "a" / "run"), "--compare-out", str(tmp_path / "a-file" / "c.png")])
+    assert stop.value.code.startswith(f"error: cannot write the plot {tmp_path / 'a-file' / 'c.png'} (")
+    assert stop.value.code.endswith("): pass --compare-out with a file in a writable folder")
 
 
 def test_missing_nanochat_checkpoint_explains_the_demo(tmp_path, monkeypatch, gsm8k_dir):
