@@ -272,34 +272,6 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
                 pass
 
 
-def test_two_nodes_of_one_process_each_take_the_steps_of_one_process(tmp_path):
-    # two torchrun launchers, as on two machines, meeting at a c10d rendezvous (here on this machine): global ranks
-    # from the rendezvous, local rank 0 on each, one shared run folder that global rank 0 writes
-    argv = flags(tmp_path, "--num-steps", "3", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
-                 "--entropy-coef", "0", "--device-batch-size", "4", name="nodes")
-    single = flags(tmp_path, "--num-steps", "3", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
-                   "--entropy-coef", "0", "--device-batch-size", "4", name="single")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    logs, port = [tmp_path / f"node{n}.txt" for n in range(2)], free_port()  # both nodes meet at one endpoint
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodes",
-                               "grpo.py", *argv], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-             for log in logs]
-    in_this_process(single)  # meanwhile, the same run in this process
-    try:
-        for node, log in zip(nodes, logs):
-            assert node.wait(timeout=300) == 0, log.read_text()
-    finally:
-        for node in nodes:
-            node.kill()
-    assert sum("optimizer state sharded over the 2 ranks" in log.read_text() for log in logs) == 1  # rank 0's log
-    a, b = (final_weights(tmp_path / "runs" / name, 3) for name in ("single", "nodes"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    rewards = [[m["reward"] for m in train_lines(tmp_path / "runs" / name)] for name in ("single", "nodes")]
-    assert rewards[0] == rewards[1] and len(rewards[0]) == 3
-
-
 # ---------------------------------------------------------------------------- inputs that changed under a run
 
 def gsm8k_folder(path, rows):
@@ -478,19 +450,13 @@ for w in workers:
 """
 
 
-def worker_pids(launcher):
-    """The pids of a torchrun launcher's two workers, by rank, once both have started."""
-    def ranks():
-        found = {}
-        for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split():
-            try:
-                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\x00")
-            except OSError:
-                continue
-            found.update({int(v[5:]): int(pid) for v in environ if v.startswith(b"RANK=")})
-        return found
-    wait_for(lambda: len(ranks()) == 2, 60, "two workers")
-    return ranks()
+def worker_pid(launcher):
+    """The pid of a torchrun launcher's one worker, once it has started."""
+    def child():
+        pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        return int(pids[0]) if pids else None
+    wait_for(child, 60, "the worker")
+    return child()
 
 
 def stop_lines(log, run_dir):
@@ -506,38 +472,54 @@ def stop_lines(log, run_dir):
     return step, [line for line in lines if "(rank 1:" in line]
 
 
-def test_signals_to_a_torchrun_job_save_the_step_under_way_and_it_resumes_exactly(tmp_path):
-    # 1. A scheduler (or `kill -TERM -- -PGID`) signals every process of a job: each worker gets the signal itself
-    # and again from torchrun, which forwards it. That is one stop: the step under way is finished and saved, and
-    # each process ends with its one line. (SIGHUP and SIGINT take the same handler: the in-process tests send them.)
-    # The job first runs the same run unstopped, saving every step: the reference.
-    runs = tmp_path / "runs"
-    straight = flags(tmp_path, "--num-steps", "6", name="straight")
-    argv = flags(tmp_path, "--num-steps", "6", "--save-every", "0", name="signalled")
-    listing, log = tmp_path / "job.json", tmp_path / "job.txt"
-    listing.write_text(json.dumps([straight, {"flags": argv, "update_seconds": 1.0}]))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                            f"--master_port={free_port()}", os.path.join("tests", "rank_runs.py"), str(listing)],
-                           cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+def test_a_two_node_job_takes_one_process_steps_and_a_schedulers_stop_saves_and_resumes_exactly(tmp_path):
+    # 1. Two torchrun launchers, as on two machines, meeting at a c10d rendezvous (here on this machine): global
+    # ranks from the rendezvous, local rank 0 on each, one shared run folder that global rank 0 writes. First a run
+    # that goes to its end, the steps of one process (up to float rounding; one process runs it meanwhile here).
+    # Then a scheduler (or `kill -TERM -- -PGID`) signals every process of the job: each worker gets the signal
+    # itself and again from its torchrun, which forwards it. That is one stop: the step under way is finished and
+    # saved, and each process ends with its one line. (SIGHUP and SIGINT take the same handler: the in-process
+    # tests send them.)
+    runs, same = tmp_path / "runs", ["--num-steps", "6", "--algo", "grpo", "--optimizer", "adamw", "--lr", "1e-3",
+                                     "--entropy-coef", "0", "--device-batch-size", "4"]
+    straight = flags(tmp_path, *same, name="straight")
+    argv = flags(tmp_path, *same, "--save-every", "0", name="signalled")
+    listing = tmp_path / "job.json"
+    listing.write_text(json.dumps([straight, {"flags": argv, "update_seconds": 0.8}]))
+    env, logs, port = dict(os.environ, OMP_NUM_THREADS="1"), [tmp_path / f"node{n}.txt" for n in range(2)], free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nodes",
+                               os.path.join("tests", "rank_runs.py"), str(listing)], cwd=ROOT, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, env=env) for log in logs]
     try:
-        pids = worker_pids(job)
+        in_this_process(flags(tmp_path, *same, name="single"))  # meanwhile, the same run in this process
+        workers = [worker_pid(node) for node in nodes]
         wait_for(lambda: len(train_lines(runs / "signalled")) >= 1, 120, "a step")
-        for pid in (job.pid, pids[0], pids[1]):  # the next step is under way (its update starts 1 s late)
-            os.kill(pid, signal.SIGTERM)
+        for pid in (nodes[0].pid, workers[0], nodes[1].pid, workers[1]):  # the next step is under way (its update
+            os.kill(pid, signal.SIGTERM)  # starts 0.8 s late)
             time.sleep(0.2)
-        job.wait(timeout=60)
+        for node in nodes:
+            node.wait(timeout=60)
     finally:
-        job.kill()
-    step, rank1 = stop_lines(log, runs / "signalled")
+        for node in nodes:
+            node.kill()
+    job = "\n".join(log.read_text() for log in logs)
+    assert job.count("optimizer state sharded over the 2 ranks") == 2  # rank 0's log, once a run
+    a, b = (final_weights(runs / name, 6) for name in ("single", "straight"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    rewards = [[m["reward"] for m in train_lines(runs / name)] for name in ("single", "straight")]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 6
+    (tmp_path / "job.txt").write_text(job)
+    step, rank1 = stop_lines(tmp_path / "job.txt", runs / "signalled")
     assert rank1 == [f"error: stopped by SIGTERM at the end of step {step} (rank 1: rank 0's line names the "
-                     "checkpoint to go on from)"], log.read_text()
+                     "checkpoint to go on from)"], job
     # 2. Resumed, and stopped again by a signal to rank 1 alone while rank 0's checkpoint write takes longer than
     # the launcher waits for the others once one has ended (torchrun: SIGKILL 30 s after the first worker failed;
-    # here 0.5 s, and the write 2 s): every rank stays until the write is done.
-    listing.write_text(json.dumps([{"flags": argv + ["--resume"], "update_seconds": 0.5, "save_seconds": 2.0}]))
+    # here 0.3 s, and the write 1.5 s): every rank stays until the write is done.
+    listing.write_text(json.dumps([{"flags": argv + ["--resume"], "update_seconds": 0.3, "save_seconds": 1.5}]))
     log = tmp_path / "resumed.txt"
-    job = subprocess.Popen([sys.executable, "-c", FAILING_WORKER_LAUNCHER, "0.5", sys.executable,
+    job = subprocess.Popen([sys.executable, "-c", FAILING_WORKER_LAUNCHER, "0.3", sys.executable,
                             os.path.join("tests", "rank_runs.py"), str(listing)], cwd=ROOT, text=True,
                            env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()), stdout=subprocess.PIPE,
                            stderr=open(log, "w"))
