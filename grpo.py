@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Tokenizer, atomic_save, checkpoint_steps,
                    find_checkpoint, flash_varlen_takes, generate, load_checkpoint, load_tensors, master_weight_names,
                    master_weights, nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
-from tasks import build, code_fingerprint, task_class, task_name
+from tasks import GraderError, build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
 
 # -----------------------------------------------------------------------------
@@ -917,6 +917,8 @@ def main(argv=None):
             stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
             stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
+        except GraderError as e:  # a changed grader does not resume a run (its sha256 is an input): a new one
+            stop_run(run_dir, str(e), "fix the function", resume=False)
         except RuntimeError as e:
             if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
                 raise
@@ -2077,9 +2079,10 @@ def lock_run_dir(run_dir):
                 shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def stop_run(run_dir, problem, remedy):
-    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it. Rank 0
-    writes the checkpoints: another rank does not know whether one is being written, and names none."""
+def stop_run(run_dir, problem, remedy, resume=True):
+    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
+    False: the remedy changes an input --resume checks, so a new run starts from it). Rank 0 writes the checkpoints:
+    another rank does not know whether one is being written, and names none."""
     rank = os.environ.get("RANK", "0")
     if rank != "0":
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
@@ -2090,9 +2093,13 @@ def stop_run(run_dir, problem, remedy):
     if found:
         step, checkpoint_dir = found[-1]
         sys.exit(f"error: {problem}. The run's newest checkpoint, step {step} in {checkpoint_dir}, is complete and "
-                 f"unchanged: {then}go on from it with --resume")
+                 "unchanged: " + (f"{then}go on from it with --resume" if resume else f"{then}start a new run from it "
+                                   f"(--init {checkpoint_dir}, another --run-name): --resume refuses changed inputs"))
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
+    if not resume:
+        sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}run the command again with another "
+                 "--run-name (--resume refuses changed inputs)")
     sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
              "same command and --resume")
 

@@ -85,12 +85,17 @@ def task_class(spec):
     return cls
 
 
-def import_task_module(module):
+class GraderError(Exception):
+    """A user's grading code failed on a reply (raised, or returned what is no reward): the run stops with this
+    one line, naming the function, the reply and what to return instead."""
+
+
+def import_task_module(module, flag="--task"):
     """module (importable from the working directory) or path/to/file.py: imported, its errors one ValueError."""
     try:
         if module.endswith(".py"):
             if not os.path.isfile(module):
-                raise ValueError(f"the task file {module} does not exist: check the path in --task")
+                raise ValueError(f"the file {module} does not exist: check the path in {flag}")
             spec = importlib.util.spec_from_file_location(f"nanogrpo_task_{task_name(module)}", module)
             loaded = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded)
@@ -101,7 +106,7 @@ def import_task_module(module):
     except ValueError:
         raise
     except Exception as e:  # the user's code: whatever it raises on import, one line
-        raise ValueError(f"the task module {module} could not be imported ({type(e).__name__}: {e})") from None
+        raise ValueError(f"the module {module} of {flag} could not be imported ({type(e).__name__}: {e})") from None
 
 
 def task_name(spec):

@@ -10,64 +10,87 @@ JSON, never code; a UTF-8 byte-order mark is skipped.
 Graders, each reading the reply's answer and comparing it with the line's answer (docs/tasks.md has the table):
 - number: the number after the first "####" (what nanochat's SFT teaches a model to write), else the last number in
   the reply; compared exactly, as rationals: "1,000" = "1000", "3.50" = "3.5", "3/8" = "0.375" = "6/16", "-2" != "2".
-  A minus is a sign only where a number starts (not right after a digit or letter: "10-5" reads 10 and 5); Unicode
-  minus and full-width digits read as ASCII; thousands separators count only in groups of three; "$" before and
-  "%" after a number are ignored ("50%" reads 50);
+  A minus is a sign only where a number starts (not right after a digit or letter: "10-5" reads 10 and 5); the
+  Unicode minus and the en and figure dashes are minus signs; full-width digits read as ASCII, superscripts as no
+  digit ("12 m²" reads 12); thousands separators (commas, spaces) count only in groups of three; exponents count
+  ("1.5e-3"); "1 1/2" and "1½" read 3/2; "$" before and "%" after a number are ignored ("50%" reads 50). An answer
+  must read as one number;
 - exact: the reply, trimmed and case-folded, equals the answer trimmed and case-folded;
 - choice: the letter the reply commits to equals the answer's letter (the answer is a letter, "(B)", or the text
-  of one choice). A reply commits by "Answer: B" / "the answer is B", "(B)", "**B**", the text of one choice as the
-  whole reply, or else its last capital letter standing alone; "A" and "I" followed by a word are words, not
-  letters, and a lower-case letter never counts.
+  of one choice). A reply commits by "Answer: B" / "the answer is B", "(B)", "**B**" (also to a letter past the
+  choices: wrong), the text of one choice as the whole reply, or else its last capital letter standing alone; "A"
+  and "I" followed by a word are words, not letters (but "the answer is A because", "A is right"), and a
+  lower-case letter never counts.
 --grader path/to/file.py:fn (or module:fn) grades every line that names no grader with your function,
-fn(question, reply, answer) -> a number or (correct, format); imported only when a run names it.
+fn(question, reply, answer) -> a finite number or (correct, format); imported only when a run names it.
 Train and test: --task-test names a test file; without it every 10th problem of the file (lines 1, 11, 21, ...
 counting problems, not blank lines) is held out for the evals. A file only watched (--eval-task) is evaluated whole.
 """
 import decimal
 import json
+import math
 import os
 import re
 import unicodedata
 from fractions import Fraction
 
-from tasks import Task, file_sha256, import_task_module
+from tasks import GraderError, Task, file_sha256, import_task_module
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
 HELD_OUT_EVERY = 10
-# A number: a sign only where it starts (not after a digit, letter or point), an optional "$", digits with commas
-# only in proper groups of three, an optional decimal part, and an optional "/ denominator" (a rational).
-UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
-NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
+# A number: a sign only where it starts (not after a digit, letter or point), an optional "$", digits with commas or
+# spaces only in proper groups of three, an optional decimal part and exponent, and an optional "/ denominator" (a
+# rational), before which a whole number and a space make a mixed number ("1 1/2").
+SPACES = " \u00a0\u2009\u202f"  # a space, a no-break, thin or narrow no-break space
+GROUP = f"[,{SPACES}]"  # what may stand between groups of three digits
+UNSIGNED = rf"(?:(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d{{1,3}}(?:[{SPACES}]\d{{3}})+(?![\d/])|\d+)(?:\.\d+)?|\.\d+)" \
+           r"(?:[eE][-+]?\d+(?!\w))?"
+NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?(?:(\d+) (?=\d+\s?/\s?\d))?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
 MARKED_NUMBER = re.compile(r"####\s*\$?\s*" + NUMBER)
 ANY_NUMBER = re.compile(NUMBER)
-# A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick"), and not inside a word.
-LETTER = r"(?!(?:A|I)\s+[a-z])\b([A-Z])\b"
-# The ways a reply commits to a letter, most explicit first; the last match of a rule wins (the conclusion).
-COMMITTED_LETTER = [re.compile(r"(?i:answer)\s*(?:is|:|=)?\s*:?\s*(?:\*\*)?\(?" + LETTER),
+# A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick"; but "A is right" is the
+# letter), and not inside a word.
+LETTER = r"(?!(?:A|I)\s+(?!(?:is|was)\b)[a-z])\b([A-Z])\b"
+# The ways a reply commits to a letter, most explicit first; the last match of a rule wins (the conclusion). After
+# "answer", "A" is the letter whatever follows ("The answer is A because ...").
+COMMITTED_LETTER = [re.compile(r"(?i:answer)\s*(?:is|:|=)?\s*:?\s*(?:\*\*)?\(?(?!I\s+[a-z])\b([A-Z])\b"),
                     re.compile(r"\(" + LETTER + r"\)|\*\*\(?" + LETTER + r"\)?\*\*")]
 STANDALONE_LETTER = re.compile(LETTER)
+DASHES = str.maketrans({"\u2212": "-", "\u2012": "-", "\u2013": "-", "\u2044": "/"})  # minus, figure, en dash
 
 
 def plain(text):
-    """Full-width digits and signs as ASCII (NFKC), the Unicode minus and fraction slash as "-" and "/"."""
-    return unicodedata.normalize("NFKC", text).replace("\u2212", "-").replace("\u2044", "/")
+    """Text as the number grader reads it: full-width digits and signs as ASCII (NFKC); a superscript or subscript
+    is no digit ("12 m²" is 12 m, not 12 m2); a vulgar fraction is its own number ("3½" is 3 1/2); the Unicode
+    minus, the figure and en dashes (what word processors write for a minus) as "-", the fraction slash as "/"."""
+    def char(c):
+        decomposition = unicodedata.decomposition(c)
+        if decomposition.startswith(("<super>", "<sub>")):
+            return " "
+        return f" {c} " if decomposition.startswith("<fraction>") else c
+    return unicodedata.normalize("NFKC", "".join(map(char, text))).translate(DASHES)
 
 
 def read_number(text):
-    """'... #### 1,000' -> Fraction(1000); '3/8' -> Fraction(3, 8); else the last number in the text; None when
-    there is none (or it divides by 0)."""
+    """'... #### 1,000' -> Fraction(1000); '3/8' -> Fraction(3, 8); '1 1/2' -> Fraction(3, 2); else the last
+    number in the text; None when there is none (or it divides by 0)."""
     text = plain(text)
     match = MARKED_NUMBER.search(text) or ([None] + list(ANY_NUMBER.finditer(text)))[-1]
-    if match is None:
-        return None
-    sign, numerator, denominator = match.groups()
-    value = Fraction(numerator.replace(",", ""))
+    return None if match is None else number_of(match)
+
+
+def number_of(match):
+    """A NUMBER match -> its Fraction (None for x/0). A whole part counts before a proper fraction only."""
+    sign, whole, numerator, denominator = match.groups()
+    value = Fraction(re.sub(GROUP, "", numerator))
     if denominator is not None:
-        below = Fraction(denominator.replace(",", ""))
+        below = Fraction(re.sub(GROUP, "", denominator))
         if below == 0:
             return None
         value /= below
+        if whole is not None and value < 1:
+            value += int(whole)
     return -value if sign else value
 
 
@@ -79,10 +102,10 @@ def read_letter(text, choices):
         found = [letter for letter in found if letter in letters]
         return found[-1] if found else None
 
-    for pattern in COMMITTED_LETTER:
-        letter = last(next(g for g in m.groups() if g) for m in pattern.finditer(text))
-        if letter:
-            return letter
+    for pattern in COMMITTED_LETTER:  # a letter committed to is the answer, also one past the choices (wrong)
+        found = [next(g for g in m.groups() if g) for m in pattern.finditer(text)]
+        if found:
+            return found[-1]
     said = text.strip().rstrip(".").strip().casefold()
     named = [i for i, c in enumerate(choices) if c.strip().casefold() == said]
     if named:
@@ -117,18 +140,28 @@ def grader_function(spec):
     """--grader path/to/file.py:fn or module:fn -> the function, imported when a run names it (never from a line of
     the file: the file is data)."""
     module, _, name = spec.rpartition(":")
-    fn = getattr(import_task_module(module), name, None)
+    fn = getattr(import_task_module(module, "--grader"), name, None)
     if not callable(fn):
         raise ValueError(f"--grader {spec}: {module} has no function {name}(question, reply, answer)")
     return fn
 
 
 def own_grade(fn, conversation, reply):
-    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format)."""
+    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format).
+    Anything else, or an exception, is a GraderError: every reply needs a finite reward (there is no "not
+    applicable": a group's advantages compare all of its replies)."""
     question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
-    result = fn(question, reply, conversation["answer"])
-    correct, form = result if isinstance(result, (tuple, list)) else (result, 0.0)
-    return float(correct), float(form)
+    where = f"--grader {fn.__module__}.{fn.__name__} on the reply {reply[:60]!r} to {question[:60]!r}"
+    try:
+        result = fn(question, reply, conversation["answer"])
+    except Exception as e:  # the user's code: whatever it raises, one line
+        raise GraderError(f"{where} raised {type(e).__name__}: {str(e)[:200]}") from None
+    values = list(result) if isinstance(result, (tuple, list)) else [result, 0.0]
+    if len(values) != 2 or not all(isinstance(v, (int, float, Fraction, decimal.Decimal)) and math.isfinite(v)
+                                   for v in values):
+        raise GraderError(f"{where} returned {result!r:.80}: return a finite number (1 for a correct reply, 0 for "
+                          "one it cannot grade) or a pair (correct, format)")
+    return float(values[0]), float(values[1])
 
 
 def read_problems(path, grader):
@@ -173,6 +206,10 @@ def problem(row, where, default_grader):
     if not isinstance(choices, list) or not all(isinstance(c, str) and c.strip() for c in choices) or len(
             choices) > 26:
         raise ValueError(f"{where}: choices must be a list of up to 26 non-empty strings")
+    if "messages" in row and ("question" in row or "answer" in row):
+        raise ValueError(f"{where} has both messages and question/answer: give one of them (messages: the last "
+                         "assistant message is the answer)")
+    listing = "".join(f"\n{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices))  # what the model sees
     if "messages" in row:
         messages = row["messages"]
         # nanochat folds a system message into the first user message when it renders a conversation (model.py)
@@ -186,6 +223,9 @@ def problem(row, where, default_grader):
             raise ValueError(f"{where}: messages must be {{\"role\", \"content\"}} objects with text: an optional "
                              "system message, then user and assistant in turn, the last the assistant's answer")
         answer = messages[-1]["content"]
+        if listing:  # the choices under the question they belong to, as a question line shows them
+            asked = next(i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "user")
+            messages = [dict(m, content=m["content"] + listing) if i == asked else m for i, m in enumerate(messages)]
     else:
         answer = row.get("answer")
         if isinstance(answer, (int, decimal.Decimal)) and not isinstance(answer, bool):
@@ -194,7 +234,7 @@ def problem(row, where, default_grader):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{where}: the field {field!r} is missing or empty (a line needs question and "
                                  "answer, text or a number, or messages)")
-        question = row["question"] + "".join(f"\n{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices))
+        question = row["question"] + listing
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     if grader == "choice" and answer_letter(answer, choices) is None:
         raise ValueError(f"{where}: the answer {answer!r} is not the letter of one of its {len(choices)} choices "
@@ -202,6 +242,11 @@ def problem(row, where, default_grader):
     if grader == "number" and read_number(answer) is None:
         raise ValueError(f"{where}: the answer {answer!r} has no number for the number grader (write e.g. "
                          "\"#### 42\", or pick another --grader)")
+    numbers = [m.group(0).strip() for m in ANY_NUMBER.finditer(plain(answer))]
+    if grader == "number" and not MARKED_NUMBER.search(plain(answer)) and len(numbers) > 1:
+        raise ValueError(f"{where}: the answer {answer!r} holds several numbers ({', '.join(numbers[:4])}): the "
+                         "number grader would compare replies with the last; write the answer as one number, or "
+                         "mark it: \"... #### 42\"")
     return {"messages": messages, "answer": answer, "choices": choices, "grader": grader}
 
 

@@ -23,6 +23,13 @@ from tasks.jsonl import JSONLTask, answer_letter, grade, read_letter, read_numbe
     ("#### \u22124", "-4", True), ("#### \uff14\uff12", "42", True), ("#### \uff0d7", "-7", True),
     # thousands separators only in groups of three; "%" ignored; a trailing full stop ends a sentence
     ("#### 12,345,678", "12345678", True), ("#### 1,00", "100", False), ("50%", "50", True), ("it is 8.", "8", True),
+    # as a reader reads them: a superscript is no digit; vulgar fractions and mixed numbers are rationals; the en
+    # and figure dashes are minus signs where a number starts; spaces between groups of three digits; exponents
+    ("the area is 12 m\u00b2", "12", True), ("7 km\u00b2", "2", False), ("#### 3\u00bd", "7/2", True),
+    ("#### 2\u2153", "21/3", False), ("\u00bd", "0.5", True), ("#### 1 1/2", "1.5", True), ("1 1/2", "1/2", False),
+    ("#### \u20135", "-5", True), ("#### \u20125", "-5", True), ("it is \u20135", "5", False),
+    ("#### 1 000 000", "1000000", True), ("#### 1\u202f000", "1000", True), ("#### 1.5e-3", "0.0015", True),
+    ("#### 1e3", "1000", True),
 ])
 def test_the_number_grader(reply, answer, correct):
     assert grade("number", reply, answer, [])[0] is correct
@@ -40,7 +47,12 @@ CHOICES = ["red", "green", "blue"]
 
 @pytest.mark.parametrize("reply,letter", [
     ("B", "B"), ("(B)", "B"), ("The answer is B.", "B"), ("A good guess: B", "B"), ("B.", "B"),
-    ("I think it is (C)", "C"), ("D", None), ("no idea", None), ("", None), ("the answer is D, or A", "A"),
+    ("I think it is (C)", "C"), ("D", None), ("no idea", None), ("", None),
+    # a letter the reply commits to is its answer, also one past the choices (wrong), whatever else it names
+    ("the answer is D, or A", "D"), ("The answer is D. Not A or B.", "D"), ("(D)", "D"),
+    # after "answer", and before "is", "A" is the letter, not the article
+    ("A is correct.", "A"), ("The answer is A because 3 < 9", "A"), ("A is the largest", "A"),
+    ("Answer: A is right", "A"),
     # a lower-case letter, or "A" / "I" used as a word, never commits
     ("answer: c", None), ("The answer is a tricky one; I pick (C).", "C"), ("A cat sat", None), ("I see", None),
     ("**C**", "C"), ("Answer: **B**", "B"), ("The answer is B because it is green", "B"), ("blue", "C"),
@@ -55,6 +67,30 @@ def test_with_nine_choices_the_word_i_is_not_a_letter():
     nine = [str(n) for n in range(9)]
     assert read_letter("I pick E", nine) == "E" and read_letter("I think so", nine) is None
     assert read_letter("Answer: I", nine) == "I" and read_letter("(I)", nine) == "I"
+
+
+@pytest.mark.parametrize("answer", ["1 000 000", "12 m\u00b2", "1.5e-3", "3\u00bd", "\u20135"])
+def test_a_number_answer_reads_as_one_number(tmp_path, answer):
+    task = JSONLTask(write_jsonl(tmp_path / "t.jsonl", [{"question": "q", "answer": answer}] * 2))
+    assert read_number(task.problems[0]["answer"]) == read_number("#### " + answer) and read_number(answer) is not None
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"question": "q", "answer": "between 3 and 5"}, r"holds several numbers \(3, 5\)"),
+    ({"question": "q", "answer": "1 000 0"}, "holds several numbers"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "4"}], "question": "q"},
+     "has both messages and question/answer"),
+])
+def test_an_answer_the_grader_would_read_ambiguously_is_refused(tmp_path, row, message):
+    with pytest.raises(ValueError, match=message):
+        JSONLTask(write_jsonl(tmp_path / "t.jsonl", [row] * 2))
+
+
+def test_a_messages_line_with_choices_shows_them_to_the_model(tmp_path):
+    row = {"messages": [{"role": "user", "content": "Which is largest?"}, {"role": "assistant", "content": "B"}],
+           "choices": ["3", "9", "5"], "grader": "choice"}
+    task = JSONLTask(write_jsonl(tmp_path / "t.jsonl", [row] * 2))
+    assert task.problems[0]["messages"][0]["content"] == "Which is largest?\nA. 3\nB. 9\nC. 5"
 
 
 def test_a_choice_answer_is_a_letter_or_a_choice_text():
@@ -280,8 +316,8 @@ def test_a_task_file_that_is_not_utf8_or_not_there(tmp_path):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("no_such_module_here:Task", "the task module no_such_module_here could not be imported (ModuleNotFoundError"),
-    ("{dir}/missing.py:Task", "the task file {dir}/missing.py does not exist"),
+    ("no_such_module_here:Task", "the module no_such_module_here of --task could not be imported (ModuleNotFoundError"),
+    ("{dir}/missing.py:Task", "the file {dir}/missing.py does not exist: check the path in --task"),
     ("{dir}/broken.py:Task", "could not be imported (SyntaxError"),
     ("{dir}/plain.py:NotThere", "has no NotThere"),
     ("{dir}/plain.py:Plain", "is not a task: it lacks from_flags, reward"),
@@ -383,3 +419,41 @@ def test_a_function_grader_trains_a_jsonl_task_and_a_resume_refuses_it_changed(t
     with pytest.raises(SystemExit):
         grpo.resolve_config(["--demo", "--task", path, "--grader", "fuzzy"])
     assert "is none of number, exact, choice" in capsys.readouterr().err
+
+
+FAILING_GRADERS = """
+def not_applicable(question, reply, answer):
+    return None  # TRL's "not applicable"
+
+def a_dict(question, reply, answer):
+    return {"correct": 1.0}
+
+def raises(question, reply, answer):
+    raise KeyError("score")
+
+def not_finite(question, reply, answer):
+    return float("nan")
+"""
+
+
+@pytest.mark.parametrize("name,said", [("not_applicable", "returned None"), ("a_dict", "returned {'correct': 1.0}"),
+                                       ("raises", "raised KeyError: 'score'"), ("not_finite", "returned nan")])
+def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name, said):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "graders.py").write_text(FAILING_GRADERS)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, "--task", path, "--grader", f"{tmp_path / 'graders.py'}:{name}",
+                             "--eval-every", "0", "--num-steps", "1"))
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --grader ") and f".{name} on the reply " in message and said in message, message
+    assert "\n" not in message and ("return a finite number" in message or name == "raises")
+    # the run wrote its config, and a changed grader does not resume it: a new run
+    assert message.endswith("No checkpoint of this run was saved: fix the function, then run the command again "
+                            "with another --run-name (--resume refuses changed inputs)"), message
+
+
+def test_a_missing_grader_file_names_the_flag(tmp_path):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "x", "--task", path, "--grader", f"{tmp_path / 'nowhere.py'}:fn"))
+    assert str(stop.value.code).endswith("nowhere.py does not exist: check the path in --grader"), stop.value.code
