@@ -1021,12 +1021,25 @@ IDLE_FLAGS = [
     ("sapo_tau_pos", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
     ("sapo_tau_neg", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
     ("pass_size", lambda a: a.aggregation != "nanochat", "it is --aggregation nanochat's"),
-    ("reward_combination", lambda a: len(a.reward_weights or ()) < 2, "one reward term (--reward-weights)"),
+    ("advantage", lambda a: a.reward_combination == "normalize-then-sum",
+     "--reward-combination normalize-then-sum z-scores each reward term in its group whatever it says"),
     ("grader", lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
      "it grades .jsonl tasks"),
+    ("calculator", lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)"),
     ("teacher_step", lambda a: not a.teacher, "it picks --teacher's checkpoint"),
     ("teacher_offload", lambda a: not a.teacher, "no teacher (--teacher)"),
-]
+    ("clip_eps", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)"),
+    ("clip_eps_high", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, "
+     "--sapo-tau-neg)"),
+    ("rollout_correction_cap", lambda a: a.rollout_correction == "off", "the correction is off (--rollout-correction)"),
+    ("max_sampling_rounds", lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off"),
+    ("lora_alpha", lambda a: not a.lora_rank, "no adapters without --lora-rank"),
+    ("lora_lr", lambda a: not a.lora_rank, "no adapters without --lora-rank"),
+    ("optimizer", lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr"),
+    ("lr", lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
+     "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)"),
+] + [(name, lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
+     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "optimizer_version")]
 
 
 def resolve_config(argv=None):
@@ -1452,8 +1465,6 @@ def start_run(args, run_dir, rank, writes):
               if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes")}
     config.update(world_size=world_size, semantics=sorted(SEMANTICS))
     log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
-    for note in args.notes:
-        log(f"note: {note}")
     for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
         log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
                                                                    " (its test split)"))
@@ -1488,6 +1499,8 @@ def start_run(args, run_dir, rank, writes):
         log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
     if args.self_check if args.self_check is not None else device.type == "cuda":
         self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
+    for note in args.notes:  # after the configuration, the plan and the self-check: the last lines before the steps
+        log(f"note: {note}")
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
     run.wandb = None

@@ -386,6 +386,26 @@ def test_a_flag_that_does_nothing_under_the_settings_gets_a_note(tmp_path, capsy
     out = capsys.readouterr().out
     assert "note: --kl-placement does nothing here: the KL's weight is 0 (--kl-coef)" in out
     assert grpo.resolve_config(["--demo", "--algo", "grpo", "--kl-placement", "reward"]).notes == []
+    assert out.index("note: --kl-placement") > out.index("memory plan")  # the last lines before the first step
+
+
+@pytest.mark.parametrize("flags,idle", [
+    (["--lr", "1e-4"], "--lr"), (["--optimizer", "adamw", "--matrix-lr", "0.01"], "--matrix-lr"),
+    (["--optimizer", "adamw", "--init-lr-frac", "1"], "--init-lr-frac"), (["--lora-lr", "1e-3"], "--lora-lr"),
+    (["--lora-rank", "4", "--init", "ckpt", "--optimizer", "adamw"], "--optimizer"),
+    (["--lora-rank", "4", "--init", "ckpt", "--lr", "1e-3"], "--lr"),
+    (["--rollout-correction-cap", "3"], "--rollout-correction-cap"), (["--max-sampling-rounds", "2"],
+                                                                      "--max-sampling-rounds"),
+    (["--calculator"], "--calculator"), (["--algo", "sapo", "--clip-eps", "0.1"], "--clip-eps"),
+    (["--reward-combination", "normalize-then-sum", "--advantage", "rloo"], "--advantage"),
+    # and none where the flag acts
+    (["--optimizer", "adamw", "--lr", "1e-4"], None), (["--matrix-lr", "0.01"], None),
+    (["--lora-rank", "4", "--init", "ckpt", "--lora-lr", "1e-3"], None), (["--algo", "dapo", "--max-sampling-rounds", "2"], None),
+    (["--rollout-correction", "tis", "--rollout-correction-cap", "3"], None), (["--advantage", "rloo"], None),
+])
+def test_every_flag_that_does_nothing_under_the_settings_is_named(flags, idle):
+    notes = grpo.resolve_config(["--demo", *flags]).notes
+    assert [note.split()[0] for note in notes] == ([idle] if idle else []), notes
 
 
 GRADER_FILE = """
