@@ -178,7 +178,8 @@ arg = parser.add_argument_group("optimizer (shared by all presets)").add_argumen
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
     "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW")
 arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
-    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; from scratch: v5)")
+    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; a checkpoint of this "
+    "program: the one it trained with; from scratch: v5)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
 arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices")
 arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
@@ -210,7 +211,8 @@ arg("--eval-task", action="append", default=None, metavar="TASK", help="also eva
     "every eval, logged as eval_<name>_<metric> (repeatable; any --task value)")
 arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
 arg("--sort-length", type=count, default=5, help="digits per sort problem")
-arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', or a checkpoint folder")
+arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', a checkpoint folder, or a "
+    "run folder of this program")
 arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)")
 arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
 arg("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation (default: from its files)")
@@ -1564,7 +1566,9 @@ def build_models(args, config, world_size, device, dtype, log):
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     if args.optimizer == "muon" and not args.lora_rank:  # recorded, so that a resume steps with the same one
         args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
-        log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version} (docs/optimizers.md)")
+        recorded = " (the start checkpoint's, as its meta records)" if getattr(
+            model, "trained_optimizer", None) == args.optimizer_version else ""
+        log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} (docs/optimizers.md)")
     optimizers = make_optimizers(model, args)
     owners = None
     if args.shard_optimizer and world_size > 1:
@@ -1715,11 +1719,13 @@ def load_policy(args, log, shapes_only=False):
         return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
     checkpoint_dir = start_checkpoint_dir(args)
     try:
-        model, _ = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
-                                   window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
+        model, meta = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
+                                      window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
+    trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
+    model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
 
 
@@ -1728,10 +1734,12 @@ def start_checkpoint_dir(args):
     if args.init == "scratch":
         return None
     if args.init != "sft":
-        if not checkpoint_steps(args.init):
+        folder = checkpoint_folder(args.init)
+        if not checkpoint_steps(folder):
             sys.exit(f"error: --init: no model_<step>.pt files in {os.path.abspath(args.init)}: name a nanochat "
-                     "checkpoint folder (e.g. <base>/chatsft_checkpoints/d20), or use --init sft")
-        return args.init
+                     "checkpoint folder (e.g. <base>/chatsft_checkpoints/d20) or a run folder of grpo.py, or use "
+                     "--init sft")
+        return folder
     try:
         return find_checkpoint(tag=args.model_tag)
     except FileNotFoundError as e:
@@ -1754,13 +1762,18 @@ def frozen(net, bf16_matrices, offload):
     return net
 
 
+def checkpoint_folder(path):
+    """A checkpoint folder as given, or a run folder of this program: its checkpoints' folder."""
+    runs = os.path.join(path, "chatrl_checkpoints")
+    if not checkpoint_steps(path) and os.path.isdir(runs) and len(os.listdir(runs)) == 1:
+        return os.path.join(runs, os.listdir(runs)[0])
+    return path
+
+
 def teacher_checkpoint(args):
     """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
     folder, the step); one error line when there is none."""
-    folder = args.teacher
-    runs = os.path.join(folder, "chatrl_checkpoints")
-    if not checkpoint_steps(folder) and os.path.isdir(runs) and len(os.listdir(runs)) == 1:  # a run folder
-        folder = os.path.join(runs, os.listdir(runs)[0])
+    folder = checkpoint_folder(args.teacher)
     complete = [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
     if not complete:
         sys.exit(f"error: --teacher: no model_<step>.pt with its meta_<step>.json in {os.path.abspath(args.teacher)}: "
@@ -1996,10 +2009,13 @@ class NanochatAdamW(torch.optim.Optimizer):
 
 
 def optimizer_version(model, args):
-    """--optimizer-version, or the one of the checkpoint's generation; a model from scratch: nanochat's newest (the
-    demo learns faster with it: docs/demo.md)."""
+    """--optimizer-version; else the one a checkpoint of this program was trained with, as its meta records; else
+    the one of the checkpoint's generation; a model from scratch: nanochat's newest (the demo learns faster with it:
+    docs/demo.md)."""
     if args.optimizer_version:
         return args.optimizer_version
+    if getattr(model, "trained_optimizer", None) in OPTIMIZER_VERSIONS:
+        return model.trained_optimizer
     return "v5" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
 
 

@@ -220,3 +220,13 @@ def test_a_run_folders_files_have_the_umasks_mode(tmp_path, umask):
     modes = {str(path.relative_to(tmp_path)): path.stat().st_mode & 0o777
              for path in (tmp_path / "runs").rglob("*") if path.is_file()}
     assert len(modes) >= 8 and modes == {path: 0o666 & ~umask for path in modes}, modes
+
+
+def test_a_run_of_this_program_starts_another_with_its_optimizer_version(tmp_path, capsys):
+    # a demo run (from scratch: nanochat's newest optimizer, v5) as the start of another: --init takes its run
+    # folder, as --teacher does, and its recorded optimizer version, not the one of its GPT generation (v2)
+    grpo.main(flags(tmp_path, "--num-steps", "1", name="first"))
+    capsys.readouterr()
+    grpo.main(flags(tmp_path, "--num-steps", "1", "--init", str(tmp_path / "runs" / "first"), name="second"))
+    assert "version v5 (the start checkpoint's, as its meta records)" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "runs" / "second" / "config.json"))["optimizer_version"] == "v5"
