@@ -1110,7 +1110,7 @@ def check_config(args):
          f"{', '.join(GRADERS)}, nor a function as path/to/file.py:fn"),
         (args.prompts_per_step % world_size,
          f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
-        (args.num_samples < 2,
+        (args.num_samples < 2 and not args.ask,  # --ask samples this many replies beside its greedy one
          f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
         (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
@@ -1550,7 +1550,7 @@ def read_tasks(args):
         if args.warmup_steps >= args.num_steps:
             parser.error(f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (one epoch of "
                          f"{args.task}: {args.num_steps} steps)")
-    if args.prompts_per_step > len(train_task):
+    if args.prompts_per_step > len(train_task) and not (args.ask or args.eval_only):  # a step's, not a question's
         sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
                  "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
     return train_task, test_task, watched
@@ -1724,6 +1724,7 @@ def load_policy(args, log, shapes_only=False):
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
+    model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
     trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
     model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
@@ -2646,8 +2647,10 @@ def ask(args, run):
                           tool=task.tool)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
                            args.temperature, args.top_k, seed=args.seed, tool=task.tool)
-    run.log(f"--ask, the policy at step {run.start_step}: " + ("graded as the task's problem" if known else
-                                                     f"not one of the task's problems ({args.task}): no grade"))
+    policy = (f"the run's policy at step {run.start_step}" if args.resume else "random weights" if args.init ==
+              "scratch" else f"the policy of {run.model.start_checkpoint}")
+    run.log(f"--ask, {policy}: " + ("graded as the task's problem" if known else
+                                   f"not one of the task's problems ({args.task}): no grade"))
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:

@@ -182,7 +182,7 @@ def download(split, path, url):
         if isinstance(e, OSError):
             raise RuntimeError(f"could not download GSM8K {split} from {url} ({e}). Offline? Put the official "
                                f"{split}.jsonl in a directory and pass --gsm8k-dir DIR (or set "
-                               "NANOGRPO_GSM8K_DIR)") from None
+                               "NANOGRPO_GSM8K_DIR); GSM8K is the default --task: --task names another") from None
         raise
 
 

@@ -205,7 +205,15 @@ def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(
     assert not os.path.exists(tmp_path / "asked")  # asking writes nothing
     replies = grpo.main(["--demo", "--init", checkpoint, "--ask", "hello?", "--num-samples", "2",
                          "--runs-dir", str(tmp_path)])
-    assert [reward for _, reward in replies] == [None] * 3 and "no grade" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert [reward for _, reward in replies] == [None] * 3 and "no grade" in out
+    assert f"--ask, the policy of {checkpoint}, step 2: " in out  # not "step 0": the checkpoint's own step
+    # a question is not a training step: one sampled reply, and a task smaller than a step's questions, will do
+    problems = tmp_path / "three.jsonl"
+    problems.write_text("".join(json.dumps({"question": f"{n} + 1?", "answer": str(n + 1)}) + "\n" for n in range(3)))
+    replies = grpo.main(["--demo", "--init", checkpoint, "--ask", "1 + 1?", "--num-samples", "1", "--task",
+                         str(problems), "--runs-dir", str(tmp_path)])
+    assert len(replies) == 2
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
