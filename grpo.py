@@ -1104,6 +1104,9 @@ def check_config(args):
     """Exit 2 with argparse's usage line and one line naming the first problem, before any work is done."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
+    # the flag the user gave: the preset's own coefficient, or --distill-coef
+    distilling = ("--algo distill" if args.algo == "distill" and args.distill_coef == PRESETS["distill"]["distill_coef"]
+                  else f"--distill-coef {args.distill_coef:g}")
     problems = [
         (args.top_k < 0, "--top-k must be >= 0"),
         (args.grader not in GRADERS and ":" not in args.grader, f"--grader {args.grader!r} is none of "
@@ -1118,8 +1121,8 @@ def check_config(args):
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
         (args.distill_coef < 0, "--distill-coef must be >= 0"),
-        (args.distill_coef > 0 and not args.teacher, f"--distill-coef {args.distill_coef:g} needs a teacher: --teacher "
-         "DIR (a checkpoint folder of a model with the policy's tokenizer)"),
+        (args.distill_coef > 0 and not args.teacher, f"{distilling} needs a teacher: --teacher DIR (a checkpoint "
+         "folder of a model with the policy's tokenizer, or a run folder of grpo.py)"),
         (args.teacher and not args.distill_coef > 0, "--teacher is read only with --distill-coef > 0 (--algo distill "
          "sets 1.0)"),
         (args.advantage == "none" and not args.distill_coef > 0 and not args.entropy_coef,

@@ -158,7 +158,8 @@ def test_a_nanochat_teacher_with_its_own_tokenizer_is_refused_for_a_byte_level_s
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--algo", "distill"], "--distill-coef 1 needs a teacher"),
+    (["--algo", "distill"], "--algo distill needs a teacher"),
+    (["--distill-coef", "0.5"], "--distill-coef 0.5 needs a teacher"),
     (["--algo", "grpo", "--teacher", "t"], "--teacher is read only with --distill-coef > 0"),
     (["--algo", "gspo", "--distill-coef", "1", "--teacher", "t"], "use --ratio-level token"),
     (["--algo", "distill", "--distill-coef", "0"], "nothing would teach the policy"),
