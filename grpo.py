@@ -577,9 +577,18 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
                 task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
 
 
-def equal_groups(rewards):
-    """rewards [P, G] -> [P] bool: the groups whose replies all got the same reward. Their advantages are 0."""
+def equal_groups(rewards, reward_parts=None):
+    """rewards [P, G] -> [P] bool: the groups whose replies all got the same reward. Their advantages are 0. With
+    reward_parts [P, G, terms] (--reward-combination normalize-then-sum, whose advantages come from each term): the
+    groups in which every term is equal; an equal sum of unequal terms still teaches there."""
+    if reward_parts is not None:
+        return (reward_parts.amax(dim=1) == reward_parts.amin(dim=1)).all(dim=-1)
     return rewards.max(dim=1).values == rewards.min(dim=1).values
+
+
+def signal_less_groups(groups, args):
+    """[P] bool: the sampled groups whose advantages are 0 (equal_groups, by the run's reward combination)."""
+    return equal_groups(groups["rewards"], groups["reward_parts"] if args.reward_combination != "sum" else None)
 
 
 def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
@@ -587,21 +596,21 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
     if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
     step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
-    "drawn": the reward terms, task rewards and rewards [R * P, ...] of every group sampled, for the policy's own
-    reward in the log, and the lengths of all their replies; rounds)"""
+    "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
+    policy's own reward in the log, and the lengths of all their replies; rounds)"""
     wanted, G = len(first["prompts"]), args.num_samples
-    parts, differing = [first], [~equal_groups(first["rewards"])]  # differing: [P] bool per round
+    parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
     while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
         draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
         indices = draw.sample(range(len(task)), min(wanted, len(task)))
         seeds = [draw.getrandbits(62) for _ in indices]
         parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
-        differing.append(~equal_groups(parts[-1]["rewards"]))
+        differing.append(~signal_less_groups(parts[-1], args))
     kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
             for g in range(len(d)) if bool(d[g]) == want][:wanted]
     groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
     samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
-    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards")}
+    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
     drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
     return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
 
@@ -633,7 +642,7 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     input_ids, target_ids = torch.tensor(rows["input_ids"]), torch.tensor(rows["target_ids"])  # [N, T]
     sampled_mask = torch.tensor(rows["loss_mask"], dtype=torch.float32)  # every token the policy sampled
     sampler_logprobs = torch.tensor(rows["sampler_logprobs"], dtype=torch.float32)
-    equal = equal_groups(rewards)  # [P]
+    equal = equal_groups(rewards, reward_parts if args.reward_combination != "sum" else None)  # [P]
     loss_mask = sampled_mask.clone()
     if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
         loss_mask *= (~equal).repeat_interleave(G)[:, None]
@@ -2216,7 +2225,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
     local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
                  reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
-                 equal_groups=equal_groups(drawn["rewards"]).sum(), kept_groups=len(groups["prompts"]),
+                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
                  kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
                  equal_groups_kept=batch["equal_groups"].sum(),
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),

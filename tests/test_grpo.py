@@ -278,7 +278,8 @@ def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
     rewards = torch.tensor([[float(i % 3 == 0), 0.0] for i in indices])
     tokens = torch.tensor(indices).repeat_interleave(2)[:, None]
     return dict(prompts=[[i] for i in indices], samples={"tokens": tokens, "lengths": torch.ones(len(tokens))},
-                rewards=rewards, task_rewards=rewards, terms=rewards[..., None], penalty=torch.zeros_like(rewards))
+                rewards=rewards, task_rewards=rewards, terms=rewards[..., None], penalty=torch.zeros_like(rewards),
+                reward_parts=torch.stack([rewards, torch.zeros_like(rewards)], -1))
 
 
 def test_dynamic_sampling_fills_the_step_with_differing_groups(monkeypatch):
@@ -1509,3 +1510,24 @@ def test_reward_terms_normalised_each_in_its_group_then_summed(advantage):
     batch = grpo.make_batch(prompts, samples, rewards, args, reward_parts=torch.stack([rewards, 0 * rewards], -1))
     torch.testing.assert_close(batch["advantages"], grpo.term_advantages(
         torch.stack([rewards, 0 * rewards], -1), [1.0, 1.0]).flatten())
+
+
+def test_under_gdpo_an_equal_sum_of_unequal_terms_is_no_equal_group():
+    # correct (weight 1), format (weight 0.5) and the overlong penalty, all summing to 0.5 in a group of 2: GDPO's
+    # per-term advantages are not 0 there, so --drop-equal-groups and dynamic sampling keep it
+    args = args_for("--reward-combination", "normalize-then-sum", "--num-samples", "2")
+    parts = torch.tensor([[[1.0, 0.0, -0.5], [0.0, 1.0, 0.0]],  # correct, format, penalty
+                          [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]])  # [P, G, terms + 1]; group 2 truly equal
+    rewards = parts[..., 0] + 0.5 * parts[..., 1] + parts[..., 2]
+    assert rewards[0, 0] == rewards[0, 1]
+    groups = {"rewards": rewards, "reward_parts": parts}
+    assert grpo.signal_less_groups(groups, args).tolist() == [False, True]
+    assert grpo.term_advantages(parts, [1.0, 0.5, 1.0])[0].abs().min() > 0.1
+    sums = args_for("--num-samples", "2")  # summed first: both equal
+    assert grpo.signal_less_groups(groups, sums).tolist() == [True, True]
+    # through the batch: --drop-equal-groups keeps the first group's tokens in the loss
+    args.drop_equal_groups = True
+    _, prompts, samples, _ = batch_inputs(args)
+    batch = grpo.make_batch(prompts[:2], {k: v[:4] for k, v in samples.items()}, rewards, args, reward_parts=parts)
+    assert batch["equal_groups"].tolist() == [False, True]
+    assert batch["loss_mask"][:2].sum() > 0 and batch["loss_mask"][2:].sum() == 0
