@@ -1089,6 +1089,16 @@ def resolve_config(argv=None):
              if word == flag or word.startswith(flag + "=")}
     args.notes = [f"--{dest.replace('_', '-')} does nothing here: {why}" for dest, idle, why in IDLE_FLAGS
                   if dest in given and idle(args)]
+    # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
+    # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
+    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
+               and PRESETS[args.algo].get(f)]
+    for name in filters:
+        setattr(args, name, False)
+    if filters:
+        args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
+                          "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
+                          "(give the flag to keep it)")
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
