@@ -11,10 +11,11 @@ simplified REINFORCE and DeepSeekMath's full GRPO, and everything in between.
 
 The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per reply token t:
     A_i       = r_i - mean(r)   (--advantage mean);  / (std(r) + eps)   (zscore);  * G / (G - 1)   (rloo)
+    A_i,t     = A_i + lambda (log pi_teacher(o_t) - log pi_old(o_t))   (--distill-coef lambda, --teacher)
     rho_t     = pi_theta(o_t) / pi_old(o_t)
-    policy_t  = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
-                (--policy-loss cispo: -sg(clip(rho_t, ...)) * A_i * log pi_theta(o_t);
-                 sapo: -(4 / tau) * sigmoid(tau * (rho_t - 1)) * A_i)
+    policy_t  = -min(rho_t * A_i,t, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i,t)
+                (--policy-loss cispo: -sg(clip(rho_t, ...)) * A_i,t * log pi_theta(o_t);
+                 sapo: -(4 / tau) * sigmoid(tau * (rho_t - 1)) * A_i,t)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)   (or in the reward: r_i - beta sum_t k1_t)
     H_t       = entropy of pi_theta at the token's position (the full distribution)
     loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
