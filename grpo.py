@@ -2281,8 +2281,9 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
         run.signal_less_steps = math.inf
         run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
                 f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
-                "from. What usually helps: an easier task or a curriculum, more replies a question (--num-samples), a "
-                "warmer --temperature, or a start checkpoint that already solves some problems")
+                "from. What usually helps: an easier task or a curriculum, a grader that gives partial credit, a start "
+                "checkpoint that already solves some problems, a teacher (--distill-coef, --teacher), more replies a "
+                "question (--num-samples) or a warmer --temperature (docs/tasks.md)")
     run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
     if stats["skipped_updates"]:
         run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
