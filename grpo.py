@@ -1069,8 +1069,9 @@ def resolve_config(argv=None):
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.entropy_coef is None:  # the demo's, unless given: by the advantages' scale
-        args.entropy_coef = DEMO_ENTROPY_COEF[args.advantage]
+    if args.entropy_coef is None:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
+        args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
+                                              args.advantage]
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
     if args.aggregation == "nanochat" and args.pass_size is None:
@@ -2987,6 +2988,8 @@ def compare_runs(run_dirs, plot_path):
                 raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
+        if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
+            config = dict(config, advantage="gdpo")
         key = json.dumps({k: v for k, v in config.items() if k not in NOT_CONFIGURATION}, sort_keys=True)
         twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
         if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing

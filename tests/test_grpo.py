@@ -905,7 +905,8 @@ def short_gsm8k(folder, train=32, test=8):
 def rehearsal_flags(root, name, ranks):
     generation, extra = REHEARSALS[name]
     return ["--init", os.path.join(FIXTURES, generation, "base", "chatsft_checkpoints", "d4"), "--task", "gsm8k",
-            "--gsm8k-dir", str(root / "gsm8k"), "--device", "cpu", "--runs-dir", str(root), "--run-name", f"{name}-{ranks}",
+            "--gsm8k-dir", str(root / "gsm8k"), "--device", "cpu", "--runs-dir", str(root),
+            "--run-name", f"{name}-{ranks}",
             "--self-check", "--compile", "--decode", "static", "--prompts-per-step", "2",
             "--max-new-tokens", "16", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
             "--eval-examples", "2", "--final-eval-examples", "2", "--eval-max-new-tokens", "16", "--pass-k", "2",
@@ -1150,6 +1151,20 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, 
     # and a seed of a configuration under another folder name joins it
     table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
     assert [row[table[0].index("seeds")] for row in table[1:]] == [2]
+
+
+def test_under_gdpo_the_idle_advantage_neither_splits_runs_nor_picks_the_entropy_bonus(tmp_path, capsys):
+    # normalize-then-sum z-scores each term whatever --advantage says: runs that differ in it alone are one
+    # configuration, labelled gdpo, with the z-scored advantages' entropy bonus
+    gdpo = ["--reward-combination", "normalize-then-sum", "--num-steps", "1"]
+    entropy_coef = grpo.resolve_config(["--demo", *gdpo, "--advantage", "mean"]).entropy_coef
+    assert entropy_coef == grpo.DEMO_ENTROPY_COEF["zscore"]
+    for seed, advantage in (("0", "mean"), ("1", "rloo")):
+        grpo.main(run_flags(tmp_path, f"g-seed{seed}", *gdpo, "--algo", "grpo", "--seed", seed, "--advantage",
+                            advantage))
+    table = grpo.main(["--compare", str(tmp_path / "g-seed0"), str(tmp_path / "g-seed1")])
+    assert len(table) == 2 and table[1][table[0].index("advantage")] == "gdpo" and table[1][
+        table[0].index("seeds")] == 2
 
 
 def test_compares_plot_goes_beside_the_runs_or_here_and_a_failed_write_is_one_line(tmp_path, capsys, monkeypatch):
