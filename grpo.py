@@ -909,7 +909,7 @@ def main(argv=None):
                                                                       args.final_eval_examples)
                     leave_process_group()
                     return result
-                STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal ends the step under way,
+                STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal: the step ends, saved
                 if run.start_step == 0 and args.eval_every:
                     run_eval(args, run, 0, args.eval_examples)
                 train(args, run)
@@ -2309,8 +2309,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
         # Every rank waits for rank 0's write: a launcher ends the job's other processes once one of them has
-        # ended (torchrun: SIGTERM, then SIGKILL after its --shutdown-timeout, 30 s), and a rank that stopped early
-        # would start that clock while the checkpoint is still being written.
+        # ended (torchrun: SIGTERM, then SIGKILL 30 s later), and a rank that stopped early would start that clock
+        # while the checkpoint is still being written.
         requested = stop_requested(run)  # the barrier; and a stop that came during the save
         stopping = stopping or (STOP["at_step_end"] and requested)
     if stopping and not last:
