@@ -148,6 +148,12 @@ arg("--ref-offload", action="store_true",
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--distill-coef", type=float, help="on-policy distillation: each token's advantage gains this x (log pi_teacher - "
     "log pi_old) of the token sampled (needs --teacher)")
+arg("--distill-divergence", default="sampled", choices=["sampled", "forward"], help="--distill-coef's term: "
+    "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
+    "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
+    "for the rest, a loss term")
+arg("--distill-top-k", type=count, default=64, help="--distill-divergence forward: the teacher's tokens a position "
+    "(all of them when the vocabulary is smaller)")
 arg("--teacher", default=None, metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint "
     "folder, or a run folder of this program, of any generation and depth, with the policy's tokenizer")
 arg("--teacher-step", type=at_least(0), default=None, help="--teacher: its checkpoint step (default: the largest)")
@@ -490,18 +496,39 @@ def rollout_weights(sampler_gap, kind, cap):
     return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
 
 
+def forward_kl(student, teacher):
+    """KL(pi_teacher || pi_theta) at each position, over the teacher's top-k tokens and one bucket for the mass of
+    all the others (GKD's forward KL, on the student's own prefixes; exact when k covers the vocabulary):
+        sum_v p_T(v) (log p_T(v) - log p_theta(v)) + p_T(rest) (log p_T(rest) - log p_theta(rest)).
+    Its gradient, -sum_v p_T(v) grad log p_theta(v) (and the bucket's), pulls up every token the teacher likes, in
+    proportion to the teacher's probability: also those the student does not yet sample (the sampled reverse KL's
+    pull on a token is proportional to the student's own probability of it). student, teacher: (log-probs at the
+    teacher's top-k [B, T, k], log-mass of the rest [B, T] or None) -> [B, T]."""
+    (student_top, student_rest), (teacher_top, teacher_rest) = student, teacher
+    p = teacher_top.exp()
+    kl = (torch.xlogy(p, p) - p * student_top).sum(dim=-1)  # xlogy: 0 log 0 = 0
+    if teacher_rest is not None:
+        p_rest = teacher_rest.exp()
+        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * student_rest
+    return kl
+
+
 def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, advantages, loss_mask, denominator,
-              args, teacher_logprobs=None):
+              args, teacher_logprobs=None, student_top=None):
     """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
     the gradient; old_logprobs, ref_logprobs (None: no KL), sampler_logprobs and teacher_logprobs (None: no
-    distillation) are frozen; advantages [B, 1]. -> (loss, its parts for the statistics)"""
+    distillation; with --distill-divergence forward the teacher's top-k log-probs and rest, and student_top the
+    student's at the same tokens, with the gradient) are frozen; advantages [B, 1]. -> (loss, its parts for the
+    statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
     logprobs = torch.where(keep, logprobs, 0.0)
     old = torch.where(keep, old_logprobs, 0.0)
     parts = {}
-    if teacher_logprobs is not None:
+    if student_top is not None:  # the teacher's distribution at each position: a loss term of its own (below)
+        parts["teacher_kl"] = forward_kl(student_top, teacher_logprobs) * keep  # [B, T]
+    elif teacher_logprobs is not None:
         # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
         # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
         # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
@@ -536,6 +563,8 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
             loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
     if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
         loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
+    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta)
+        loss = loss + args.distill_coef * aggregate(parts["teacher_kl"], loss_mask, args.aggregation, denominator)
     return loss, parts
 
 
@@ -692,27 +721,15 @@ def plan_micro_batches(batch, args, static=None):
     return micro_batches, torch.tensor(counts, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
-def to_device(batch, device):
-    """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
-    def move(value):
-        if torch.is_tensor(value):
-            return value.to(device)
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        return [move(v) for v in value] if isinstance(value, list) else value
-    return move(batch)
-
-
-def logprobs_of(net, mb, args, with_entropy=False):
-    """A micro-batch's log-probs (and entropies) in its rows' layout, [R, width]: a packed pass runs as one
+def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
+    """A micro-batch's log-probs (and entropies; and with top_ids, a teacher's top-k ids in the pass's layout, the
+    log-probs of those tokens and of the rest) in its rows' layout, [R, width, ...]: a packed pass runs as one
     sequence, and each row's tokens are taken back out of it. The entropies carry a gradient only where the loss
     has the entropy bonus; else they are only logged."""
     out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
-                             positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0)
-    if "pack" in mb:
-        out = tuple(t.flatten()[mb["row_positions"]] for t in out) if with_entropy else out.flatten()[
-            mb["row_positions"]]
-    return out
+                             positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0,
+                             top_ids=top_ids)
+    return tuple(in_rows(t, mb) for t in out) if isinstance(out, tuple) else in_rows(out, mb)
 
 
 @torch.no_grad()
@@ -773,10 +790,13 @@ def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, ad
     """One forward pass of the update: the micro-batch's log-probs under the policy, and its share of the loss
     (objective). old_logprobs None: pi_old is the policy itself (rho = 1). -> (loss, parts, log-probs [R, width],
     detached). The start-up self-check runs its fast and plain paths through this too."""
-    logprobs, entropy = logprobs_of(model, mb, args, with_entropy=True)
+    forward = isinstance(teacher_logprobs, dict)  # --distill-divergence forward: the student at the teacher's top-k
+    logprobs, entropy, *student_top = logprobs_of(model, mb, args, with_entropy=True,
+                                                  top_ids=teacher_logprobs["ids"] if forward else None)
     old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
     loss, parts = objective(logprobs, entropy, old_logprobs, ref_logprobs, mb["sampler_logprobs"], advantages,
-                            mb["loss_mask"], denominator, args, teacher_logprobs)
+                            mb["loss_mask"], denominator, args, teacher_logprobs["logprobs"] if forward else
+                            teacher_logprobs, student_top or None)
     return loss, parts, logprobs.detach()
 
 
@@ -801,7 +821,11 @@ def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
             ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
     if teacher is not None:  # on the same passes
         with on_device(teacher, device) if args.teacher_offload else nullcontext():
-            teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
+            if args.distill_divergence == "forward":
+                with autocast:
+                    teacher_logprobs = [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+            else:
+                teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
     if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
         penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
         for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
@@ -1040,6 +1064,8 @@ IDLE_FLAGS = [
     ("calculator", lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)"),
     ("teacher_step", lambda a: not a.teacher, "it picks --teacher's checkpoint"),
     ("teacher_offload", lambda a: not a.teacher, "no teacher (--teacher)"),
+    ("distill_divergence", lambda a: not a.distill_coef, "no teacher term (--distill-coef)"),
+    ("distill_top_k", lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's"),
     ("clip_eps", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)"),
     ("clip_eps_high", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, "
      "--sapo-tau-neg)"),
@@ -2361,7 +2387,8 @@ SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_si
 SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
-         "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False}
+         "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False,
+         "distill_divergence": "sampled", "distill_top_k": 64}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -2750,6 +2777,31 @@ def progress(label, done, total, start):
 
 # -----------------------------------------------------------------------------
 # Packed passes: which rows share a pass, and their layout as one sequence
+
+def to_device(batch, device):
+    """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
+    def move(value):
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return [move(v) for v in value] if isinstance(value, list) else value
+    return move(batch)
+
+
+def in_rows(values, mb):
+    """A pass's per-position values [1, total, ...] (packed) or [R, width, ...] -> the rows' layout [R, width, ...]."""
+    return values.flatten(0, 1)[mb["row_positions"]] if values is not None and "pack" in mb else values
+
+
+@torch.no_grad()
+def teacher_top_logprobs(teacher, mb, args):
+    """--distill-divergence forward: the teacher's --distill-top-k tokens at the micro-batch's loss positions ->
+    dict(ids in the pass's layout, for the student's head; their log-probs and the rest's, in the rows' layout)."""
+    ids, top, rest = teacher.top_logprobs(mb["input_ids"], args.distill_top_k, args.temperature,
+                                          positions=mb["positions"], pack=mb.get("pack"))
+    return {"ids": ids, "logprobs": (in_rows(top, mb), in_rows(rest, mb))}
+
 
 def first_fit_decreasing(rows, widths, budget):
     """rows -> passes of rows whose widths sum to at most budget: each row, longest first, into the first pass with

@@ -418,7 +418,7 @@ class GPT(nn.Module):
         return self.logits(self.hidden(idx, cache), softcap)
 
     def token_logprobs(self, idx, targets, temperature=1.0, with_entropy=False, positions=None, pack=None,
-                       chunk_size=None, entropy_grad=True):
+                       chunk_size=None, entropy_grad=True, top_ids=None):
         """log softmax(logits / temperature) at the targets: idx, targets [B, T] -> [B, T] float32; with_entropy:
         also the entropy of that distribution at every position, -sum_v p_v log p_v -> ([B, T], [B, T]), with its
         gradient unless entropy_grad is False.
@@ -426,6 +426,8 @@ class GPT(nn.Module):
         The trainer passes those of the loss mask, computed on the host: a prompt's positions are never in the loss,
         the head is much of a forward pass's cost, and a boolean mask would make the host wait for the device.
         pack: idx and targets [1, T] hold packed rows (hidden, pack_rows).
+        top_ids [B, T, k] (a teacher's top_logprobs): also the log-probs of these tokens, [B, T, k], and the log of
+        the mass of all the others, [B, T] (None when the k tokens are the whole vocabulary), after the others.
 
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions (chunk_size,
         default HEAD_CHUNK // V: 2,048 at V = 65,536), and each chunk is recomputed in the backward pass rather than
@@ -435,9 +437,9 @@ class GPT(nn.Module):
         and both ways give the same numbers."""
         forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
         x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
-        flat_targets = targets.flatten()
+        per_position = [targets.flatten()] + ([] if top_ids is None else [top_ids.flatten(0, 1)])
         if positions is not None:
-            x, flat_targets = x[positions], flat_targets[positions]  # [K, C], [K]
+            x, per_position = x[positions], [t[positions] for t in per_position]  # [K, C], [K], [K, k]
 
         head = compiled_head_logprobs() if self.use_compile else GPT.head_logprobs
         chunk_logprobs = functools.partial(head, self, temperature=temperature, with_entropy=with_entropy,
@@ -445,31 +447,64 @@ class GPT(nn.Module):
         out = []
         chunk_size = chunk_size or max(1, HEAD_CHUNK // self.lm_head.out_features)
         for i in range(0, max(x.size(0), 1), chunk_size):  # at least one chunk, empty when nothing is asked for
-            args = (x[i:i + chunk_size], flat_targets[i:i + chunk_size])
+            args = (x[i:i + chunk_size], per_position[0][i:i + chunk_size])
+            ids = {"top_ids": per_position[1][i:i + chunk_size]} if top_ids is not None else {}
             recompute = torch.is_grad_enabled() and args[0].size(0) * self.lm_head.out_features >= CHECKPOINT_LOGITS
-            out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args))
-        results = [torch.cat(parts) for parts in zip(*out)]  # each [B*T], or [K] with positions
-        if positions is not None:
-            results = [r.new_zeros(targets.numel()).index_copy(0, positions, r) for r in results]
-        results = [r.view_as(targets) for r in results]
-        return tuple(results) if with_entropy else results[0]
+            out.append(checkpoint(chunk_logprobs, *args, use_reentrant=False, **ids) if recompute else
+                       chunk_logprobs(*args, **ids))
+        results = self.at_every_position([torch.cat(parts) for parts in zip(*out)], targets, positions)
+        if top_ids is not None and top_ids.size(-1) >= self.config.vocab_size:
+            results[-1] = None  # no other tokens: no mass outside the k
+        return tuple(results) if len(results) > 1 else results[0]
 
-    def head_logprobs(self, x, targets, temperature, with_entropy, entropy_grad=True):
-        """token_logprobs' head on one chunk of positions: x [N, C], targets [N] -> (log-probs [N],) or (log-probs
-        [N], entropies [N]). log_softmax is one fused kernel each way, where logsumexp and a gather of the logits
-        took several and their backwards two [N, V] passes more; compiled (use_compile), the casts, softcap and
-        temperature fuse into it too: eager, the head was a third of a d20 update on an H200."""
+    @staticmethod
+    def at_every_position(results, targets, positions):
+        """Per-position results [K, ...] (or [B*T, ...]) -> [B, T, ...], zeros where no position was asked for."""
+        if positions is not None:
+            results = [r.new_zeros((targets.numel(),) + r.shape[1:]).index_copy(0, positions, r) for r in results]
+        return [r.view(targets.shape + r.shape[1:]) for r in results]
+
+    @torch.no_grad()
+    def top_logprobs(self, idx, k, temperature=1.0, positions=None, pack=None):
+        """The k most likely tokens of log softmax(logits / temperature) at every position (a teacher's, for
+        --distill-divergence forward): idx [B, T] -> (ids [B, T, k], their log-probs [B, T, k], the log of the mass
+        of all the others [B, T], None when k covers the vocabulary), zeros where positions asks for none. The head
+        runs over chunks of positions, as in token_logprobs."""
+        forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
+        x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
+        if positions is not None:
+            x = x[positions]
+        k = min(k, self.config.vocab_size)
+        out, chunk_size = [], max(1, HEAD_CHUNK // self.lm_head.out_features)
+        for i in range(0, max(x.size(0), 1), chunk_size):
+            logits = self.logits(x[i:i + chunk_size])
+            log_p = (logits / temperature if temperature != 1.0 else logits).log_softmax(dim=1)  # [N, V]
+            values, ids = log_p.topk(k, dim=1)  # [N, k]
+            out.append((ids, values, log_p.scatter(1, ids, -math.inf).logsumexp(dim=1)))
+        ids, values, rest = self.at_every_position([torch.cat(parts) for parts in zip(*out)], idx, positions)
+        return ids, values, rest if k < self.config.vocab_size else None
+
+    def head_logprobs(self, x, targets, temperature, with_entropy, entropy_grad=True, top_ids=None):
+        """token_logprobs' head on one chunk of positions: x [N, C], targets [N] -> (log-probs [N],), then the
+        entropies [N] with_entropy, then with top_ids [N, k] their log-probs [N, k] and the log of the mass of all
+        the other tokens [N] (0 when there are none). log_softmax is one fused kernel each way, where logsumexp and
+        a gather of the logits took several and their backwards two [N, V] passes more; compiled (use_compile), the
+        casts, softcap and temperature fuse into it too: eager, the head was a third of a d20 update on an H200."""
         logits = self.logits(x)  # [N, V]
         if temperature != 1.0:
             logits = logits / temperature
         log_p = logits.log_softmax(dim=1)
-        logprobs = log_p.gather(1, targets[:, None]).squeeze(1)
-        if not with_entropy:
-            return (logprobs,)
-        # entropy_grad False: entropies only to be logged, off the graph, so their [N, V] exp and product are not
-        # kept for a backward pass (8 of the chunk's ~24 bytes a logit)
-        p_log = log_p if entropy_grad else log_p.detach()
-        return logprobs, -(p_log.exp() * p_log).sum(dim=1)
+        out = (log_p.gather(1, targets[:, None]).squeeze(1),)
+        if with_entropy:
+            # entropy_grad False: entropies only to be logged, off the graph, so their [N, V] exp and product are
+            # not kept for a backward pass (8 of the chunk's ~24 bytes a logit)
+            p_log = log_p if entropy_grad else log_p.detach()
+            out += (-(p_log.exp() * p_log).sum(dim=1),)
+        if top_ids is not None:
+            rest = (log_p.scatter(1, top_ids, -math.inf).logsumexp(dim=1) if top_ids.size(1) < log_p.size(1)
+                    else log_p.new_zeros(log_p.size(0)))
+            out += (log_p.gather(1, top_ids), rest)
+        return out
 
     # LoRA (Hu et al. 2021): every matrix W [out, in] inside the blocks computes W x + (alpha / r) B A x, with
     # A [r, in] and B [out, r] the only weights that train. Each adapter is a forward hook on its nn.Linear, so the

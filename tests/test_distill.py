@@ -190,3 +190,71 @@ def test_a_presets_reward_filters_stay_off_with_a_teacher():
     assert kept.drop_equal_groups and not kept.mask_truncated
     alone = grpo.resolve_config(["--demo", "--algo", "dapo"])
     assert alone.drop_equal_groups and alone.mask_truncated and alone.notes == []
+
+
+def hand_written_forward_kl(model, teacher, batch, k):
+    """KL(pi_teacher || pi_theta) at every loss position of the batch, written out from the full distributions in
+    float64: the teacher's k likeliest tokens, and one bucket for the rest of each distribution's mass -> [N, T]."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    student = model.logits(model.hidden(ids)).log_softmax(-1)  # [N, T, V]
+    with torch.no_grad():
+        teacher_p = teacher.logits(teacher.hidden(ids)).log_softmax(-1)
+    top, top_ids = teacher_p.topk(min(k, teacher_p.size(-1)), dim=-1)
+    kl = (top.exp() * (top - student.gather(-1, top_ids))).sum(-1)
+    if k < teacher_p.size(-1):
+        outside = torch.ones_like(teacher_p, dtype=torch.bool).scatter(-1, top_ids, False)
+        rest_t = torch.where(outside, teacher_p.exp(), 0).sum(-1)
+        rest_s = torch.where(outside, student.exp(), 0).sum(-1)
+        kl = kl + rest_t * (rest_t.log() - rest_s.log())
+    return kl * mask
+
+
+@pytest.mark.parametrize("k", [5, 1000])  # 1000 > the vocabulary: the whole distribution, the exact KL
+def test_the_forward_kl_gradient_is_the_hand_written_one(k):
+    args = distill_args("--distill-divergence", "forward", "--distill-top-k", str(k), "--distill-coef", "0.7")
+    model, batch = sampled_batch(args)
+    model.double()
+    teacher = other_model().double()
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST, teacher=teacher)
+    kl = hand_written_forward_kl(model, teacher, batch, k)
+    mask = batch["loss_mask"]
+    expected = torch.autograd.grad(0.7 * kl.sum() / mask.sum(), list(model.parameters()))  # token aggregation
+    assert max((g - e).abs().max().item() for g, e in zip(recorder.grads[0], expected)) < 1e-10
+    assert abs(stats["teacher_kl"] - (kl.sum() / mask.sum()).item()) < 1e-10
+    assert sum(e.abs().sum() for e in expected) > 1e-3 and stats["teacher_kl"] > 0.01
+    if k > TOK.vocab_size:  # every token: the exact KL, sum_v p_T log(p_T / p_theta), no bucket
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            student = model.logits(model.hidden(ids)).log_softmax(-1)
+            teacher_p = teacher.logits(teacher.hidden(ids)).log_softmax(-1)
+        exact = (teacher_p.exp() * (teacher_p - student)).sum(-1) * mask
+        torch.testing.assert_close(kl.detach(), exact, rtol=0, atol=1e-12)
+
+
+def test_the_teachers_top_k_and_its_rest_hold_all_of_its_mass_packed_as_padded():
+    teacher = grpo.frozen(random_model("smear-backout", sequence_len=16).double(), False, False)
+    tops = {}
+    for pack in ("--pack", "--no-pack"):
+        args = distill_args("--distill-divergence", "forward", "--distill-top-k", "7", pack)
+        _, batch = sampled_batch(args)
+        out = torch.zeros(batch["input_ids"].shape + (8,), dtype=torch.float64)
+        for mb in batch["micro_batches"]:
+            top = grpo.teacher_top_logprobs(teacher, mb, args)
+            values, rest = top["logprobs"]  # [R, width, 7], [R, width]
+            mass = torch.cat([values.exp(), rest.exp()[..., None]], -1) * mb["loss_mask"][..., None]
+            out[mb["rows"], :values.size(1)] = mass
+        tops[pack] = out
+        kept = batch["loss_mask"] > 0
+        assert torch.allclose(out.sum(-1)[kept], torch.ones(int(kept.sum()), dtype=torch.float64), atol=1e-12)
+    assert (tops["--pack"] - tops["--no-pack"]).abs().max() < 1e-12
+
+
+def test_a_teacher_equal_to_the_policy_gives_no_forward_kl_and_no_gradient():
+    args = distill_args("--distill-divergence", "forward", "--distill-top-k", "5")
+    model, batch = sampled_batch(args)
+    model.double()
+    recorder = GradRecorder(model)
+    stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST,
+                                  teacher=grpo.frozen(copy.deepcopy(model), False, False))
+    assert abs(stats["teacher_kl"]) < 1e-12 and max(g.abs().max().item() for g in recorder.grads[0]) < 1e-12
