@@ -3,8 +3,10 @@ Sort: the user gives a few random digits ("31415"), the assistant must reply wit
 ("11345"). A toy task that a tiny GPT learns from random weights, with RL alone, on a laptop CPU.
 
 The reward is dense, the fraction of positions that hold the right digit, so that even a random policy
-gets some signal; evaluate() is the exact match. The train split is unlimited (problem i is a pure function
-of the seed and i); the test split is a fixed held-out set drawn from a separate stream.
+gets some signal; evaluate() is the exact match. A second reward term, "exact" (1 only for a fully sorted reply),
+makes the task one where RL from random weights gets no signal: --reward-weights exact=1. The train split is
+unlimited (problem i is a pure function of the seed and i); the test split is a fixed held-out set drawn from a
+separate stream, per seed.
 """
 import random
 
@@ -42,6 +44,12 @@ class Sort(Task):
         target, reply = conversation["messages"][-1]["content"], reply_text.strip()
         # Extra characters cost as much as missing ones: the denominator is the longer of the two.
         return sum(a == b for a, b in zip(reply, target)) / max(len(target), len(reply))
+
+    reward_terms = ("reward", "exact")
+
+    def reward_parts(self, conversation, reply_text):
+        return {"reward": self.reward(conversation, reply_text), "exact": float(self.evaluate(conversation,
+                                                                                              reply_text))}
 
     def evaluate(self, conversation, reply_text):
         return reply_text.strip() == conversation["messages"][-1]["content"]

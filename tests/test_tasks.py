@@ -240,3 +240,13 @@ def test_the_downloaded_gsm8k_cache_has_the_umasks_mode(tmp_path, monkeypatch, g
     finally:
         os.umask(previous)
     assert (tmp_path / "test.jsonl").read_bytes() == data and (tmp_path / "test.jsonl").stat().st_mode & 0o777 == 0o644
+
+
+def test_sort_scores_the_exact_match_as_a_term_of_its_own():
+    # --reward-weights exact=1: a reward only for a fully sorted reply, where RL from random weights gets no signal
+    from tasks.sort import Sort
+    task = Sort("train")
+    problem = task[0]
+    answer = problem["messages"][-1]["content"]
+    assert task.reward_parts(problem, answer) == {"reward": 1.0, "exact": 1.0}
+    assert task.reward_parts(problem, answer[:-1] + "x") == {"reward": 0.8, "exact": 0.0}
