@@ -867,13 +867,18 @@ RANK_SETTINGS = {
     "muon-v5": ["--entropy-coef", "0", "--optimizer-version", "v5"],
     # the random fixture model never sorts: all rewards equal, the entropy bonus is what moves the adapters
     "lora": ["--init", SMEAR_BACKOUT, "--lora-rank", "4", "--lora-lr", "1e-2", "--entropy-coef", "0.01"],
+    # the teacher's top-k on each rank's passes: its forward KL summed over ranks as in one process (the teacher:
+    # the resume runs' single-process run, finished before the launch)
+    "distill-forward": ["--optimizer", "adamw", "--algo", "distill", "--teacher", "{resume-single}",
+                        "--distill-divergence", "forward", "--distill-top-k", "8"],
 }
 
 
 def rank_test_flags(root, setting, name, *more):
     return run_flags(root, name, "--num-steps", "3", "--save-every", "1", "--algo", "grpo", "--device-batch-size", "4",
                      "--lr", "1e-3", "--eval-every", "3", "--eval-examples", "7", "--final-eval-examples", "7",
-                     "--pass-k", "2", *RANK_SETTINGS[setting], *more)
+                     "--pass-k", "2", *(flag.replace("{resume-single}", str(root / "resume-single"))
+                                        for flag in RANK_SETTINGS[setting]), *more)
 
 
 def resume_test_flags(root, name, *more):
@@ -1010,6 +1015,9 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
     train = [[m for m in log if "reward" in m] for log in logs]
     assert train[0][0]["reward"] == train[1][0]["reward"]
     assert train[0][0]["loss"] == pytest.approx(train[1][0]["loss"], abs=1e-6)
+    if setting == "distill-forward":  # the teacher's term, as one process takes it
+        assert train[0][0]["teacher_kl"] > 0 and train[0][0]["teacher_kl"] == pytest.approx(
+            train[1][0]["teacher_kl"], rel=1e-5)
     # each rank holds about half of the optimizer state
     state = [train[0][-1]["optimizer_state_mb"], train[1][-1]["optimizer_state_mb"]]
     assert 0.4 * state[0] < state[1] <= 0.6 * state[0]
