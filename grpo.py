@@ -148,10 +148,10 @@ arg("--ref-offload", action="store_true",
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--distill-coef", type=float, help="on-policy distillation: each token's advantage gains this x (log pi_teacher - "
     "log pi_old) of the token sampled (needs --teacher)")
-arg("--distill-divergence", default="sampled", choices=["sampled", "forward"], help="--distill-coef's term: "
+arg("--distill-divergence", default=None, choices=["sampled", "forward"], help="--distill-coef's term: "
     "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
-    "for the rest, a loss term")
+    "for the rest, a loss term (default: forward with --algo distill, else sampled)")
 arg("--distill-top-k", type=count, default=64, help="--distill-divergence forward: the teacher's tokens a position "
     "(all of them when the vocabulary is smaller)")
 arg("--teacher", default=None, metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint "
@@ -308,7 +308,8 @@ PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token
 PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
 # On-policy distillation (GKD, Agarwal et al. 2023; Thinking Machines 2025): the teacher's per-token log-ratio is the
 # whole advantage, the reward's is off; on-policy (one pass), the mean over tokens, no KL to a reference
-PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0)
+PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0,
+                          distill_divergence="forward")  # the teacher's distribution: docs/demo.md (issue 68)
 
 
 def as_flags(settings):
@@ -322,7 +323,8 @@ def as_flags(settings):
 
 
 algorithm.description = "--algo sets, where not given (the others: reinforce's values but these):\n" + "\n".join(
-    textwrap.fill(as_flags({k: v for k, v in preset.items() if name == "reinforce" or v != PRESETS["reinforce"][k]}),
+    textwrap.fill(as_flags({k: v for k, v in preset.items()
+                            if name == "reinforce" or v != PRESETS["reinforce"].get(k)}),
                   width=110, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12, break_on_hyphens=False)
     for name, preset in PRESETS.items())
 # The demo: a 2-layer GPT from random weights, settings chosen by measurement (README; AdamW stalled at 0.74-0.87).
@@ -1100,6 +1102,8 @@ def resolve_config(argv=None):
                                               args.advantage]
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.distill_divergence is None:  # beside a reward, the teacher's term as an advantage
+        args.distill_divergence = "sampled"
     if args.aggregation == "nanochat" and args.pass_size is None:
         args.pass_size = 8  # nanochat's RL script's default device batch size
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)

@@ -14,7 +14,8 @@ from test_grpo import NO_AUTOCAST, TOK, GradRecorder, args_for, run_flags, sampl
 
 
 def distill_args(*flags):
-    return args_for("--algo", "distill", "--teacher", "unused", *flags)
+    """--algo distill with the sampled term, unless the flags name another"""
+    return args_for("--algo", "distill", "--teacher", "unused", "--distill-divergence", "sampled", *flags)
 
 
 def other_model(seed=1):
@@ -174,9 +175,11 @@ def test_distillation_flags_that_cannot_work_exit_2(flags, message, capsys):
 
 def test_the_distill_preset():
     args = grpo.resolve_config(["--demo", "--algo", "distill", "--teacher", "t"])
-    assert (args.advantage, args.aggregation, args.ppo_epochs, args.kl_coef, args.distill_coef, args.entropy_coef) \
-        == ("none", "token", 1, 0.0, 1.0, 0.0)
+    assert (args.advantage, args.aggregation, args.ppo_epochs, args.kl_coef, args.distill_coef, args.entropy_coef,
+            args.distill_divergence) == ("none", "token", 1, 0.0, 1.0, 0.0, "forward")
     assert grpo.resolve_config(["--demo"]).distill_coef == 0.0
+    beside = grpo.resolve_config(["--demo", "--distill-coef", "0.1", "--teacher", "t"])  # beside the reward
+    assert beside.distill_divergence == "sampled"
 
 
 def test_a_presets_reward_filters_stay_off_with_a_teacher():
