@@ -1313,6 +1313,11 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         MUON_STEP: muon_step_bytes(model, args),
         activations[0]: activations[1],
         **exact,
+        # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
+        # token of the rank's step, taken before the update and kept through it
+        **({"update: the teacher's top-k of the step's reply tokens": args.prompts_per_step // world_size
+            * args.num_samples * args.max_new_tokens * (12 * min(args.distill_top_k, c.vocab_size) + 4)}
+           if teacher is not None and args.distill_divergence == "forward" else {}),
     }
 
 

@@ -261,3 +261,16 @@ def test_a_teacher_equal_to_the_policy_gives_no_forward_kl_and_no_gradient():
     stats, _ = grpo.policy_update(model, [recorder], batch, args, NO_AUTOCAST,
                                   teacher=grpo.frozen(copy.deepcopy(model), False, False))
     assert abs(stats["teacher_kl"]) < 1e-12 and max(g.abs().max().item() for g in recorder.grads[0]) < 1e-12
+
+
+def test_the_memory_plan_counts_the_teachers_top_k():
+    # ids (int64) and log-probs of k tokens, and the rest's log-mass, at every reply token of the rank's step
+    teacher = other_model()
+    plans = {}
+    for divergence in ("forward", "sampled"):
+        args = distill_args("--distill-divergence", divergence, "--distill-top-k", "16")
+        model, _ = sampled_batch(args)
+        plans[divergence] = grpo.memory_plan(model, args, 1, 9, "float32", teacher=teacher)
+    key = "update: the teacher's top-k of the step's reply tokens"
+    assert plans["forward"][key] == args.prompts_per_step * args.num_samples * args.max_new_tokens * (12 * 16 + 4)
+    assert key not in plans["sampled"]
