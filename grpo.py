@@ -528,9 +528,7 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
     logprobs = torch.where(keep, logprobs, 0.0)
     old = torch.where(keep, old_logprobs, 0.0)
     parts = {}
-    if student_top is not None:  # the teacher's distribution at each position: a loss term of its own (below)
-        parts["teacher_kl"] = forward_kl(student_top, teacher_logprobs) * keep  # [B, T]
-    elif teacher_logprobs is not None:
+    if teacher_logprobs is not None and student_top is None:
         # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
         # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
         # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
@@ -565,8 +563,10 @@ def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, a
             loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
     if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
         loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
-    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta)
-        loss = loss + args.distill_coef * aggregate(parts["teacher_kl"], loss_mask, args.aggregation, denominator)
+    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
+        teacher_kl = forward_kl(student_top, teacher_logprobs) * keep  # [B, T]
+        parts["teacher_kl"] = teacher_kl.detach()
+        loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
     return loss, parts
 
 

@@ -96,6 +96,14 @@ HEAD_CHUNK = 2 ** 27  # logits a chunk of token_logprobs' head, at most: a chunk
 SMEAR_GATE_CHANNELS = 24  # the smear gate reads this many leading channels of the token's embedding
 
 
+def log_mass_outside(log_p, ids):
+    """log_p [N, V] (log-probs), ids [N, k] -> [N]: the log of the probability of every token not in ids; 0 when ids
+    hold the whole vocabulary (there is no such token, and no -inf to poison a gradient)."""
+    if ids.size(1) >= log_p.size(1):
+        return log_p.new_zeros(log_p.size(0))
+    return log_p.scatter(1, ids, -math.inf).logsumexp(dim=1)
+
+
 def softcap_logits(logits, cap):
     return cap * torch.tanh(logits / cap)
 
@@ -435,11 +443,10 @@ class GPT(nn.Module):
         keep several). Logits too small to matter
         (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
         and both ways give the same numbers."""
-        forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
-        x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
+        x = self.hidden_at(idx, positions, pack)  # [K, C] (or [B*T, C])
         per_position = [targets.flatten()] + ([] if top_ids is None else [top_ids.flatten(0, 1)])
         if positions is not None:
-            x, per_position = x[positions], [t[positions] for t in per_position]  # [K, C], [K], [K, k]
+            per_position = [t[positions] for t in per_position]  # [K], [K, k]
 
         head = compiled_head_logprobs() if self.use_compile else GPT.head_logprobs
         chunk_logprobs = functools.partial(head, self, temperature=temperature, with_entropy=with_entropy,
@@ -457,6 +464,13 @@ class GPT(nn.Module):
             results[-1] = None  # no other tokens: no mass outside the k
         return tuple(results) if len(results) > 1 else results[0]
 
+    def hidden_at(self, idx, positions, pack):
+        """The final hidden states of idx [B, T] at these flat positions [K] (all: None) -> [K, C], compiled with
+        use_compile."""
+        forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
+        x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
+        return x if positions is None else x[positions]
+
     @staticmethod
     def at_every_position(results, targets, positions):
         """Per-position results [K, ...] (or [B*T, ...]) -> [B, T, ...], zeros where no position was asked for."""
@@ -470,17 +484,14 @@ class GPT(nn.Module):
         --distill-divergence forward): idx [B, T] -> (ids [B, T, k], their log-probs [B, T, k], the log of the mass
         of all the others [B, T], None when k covers the vocabulary), zeros where positions asks for none. The head
         runs over chunks of positions, as in token_logprobs."""
-        forward = compiled_hidden(static=pack is not None) if self.use_compile else GPT.hidden
-        x = forward(self, idx, pack=pack).flatten(0, 1)  # [B*T, C]
-        if positions is not None:
-            x = x[positions]
+        x = self.hidden_at(idx, positions, pack)  # [K, C]
         k = min(k, self.config.vocab_size)
         out, chunk_size = [], max(1, HEAD_CHUNK // self.lm_head.out_features)
         for i in range(0, max(x.size(0), 1), chunk_size):
             logits = self.logits(x[i:i + chunk_size])
             log_p = (logits / temperature if temperature != 1.0 else logits).log_softmax(dim=1)  # [N, V]
             values, ids = log_p.topk(k, dim=1)  # [N, k]
-            out.append((ids, values, log_p.scatter(1, ids, -math.inf).logsumexp(dim=1)))
+            out.append((ids, values, log_mass_outside(log_p, ids)))
         ids, values, rest = self.at_every_position([torch.cat(parts) for parts in zip(*out)], idx, positions)
         return ids, values, rest if k < self.config.vocab_size else None
 
@@ -501,9 +512,7 @@ class GPT(nn.Module):
             p_log = log_p if entropy_grad else log_p.detach()
             out += (-(p_log.exp() * p_log).sum(dim=1),)
         if top_ids is not None:
-            rest = (log_p.scatter(1, top_ids, -math.inf).logsumexp(dim=1) if top_ids.size(1) < log_p.size(1)
-                    else log_p.new_zeros(log_p.size(0)))
-            out += (log_p.gather(1, top_ids), rest)
+            out += (log_p.gather(1, top_ids), log_mass_outside(log_p, top_ids))
         return out
 
     # LoRA (Hu et al. 2021): every matrix W [out, in] inside the blocks computes W x + (alpha / r) B A x, with
