@@ -1529,16 +1529,20 @@ def start_run(args, run_dir, rank, writes):
     for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
         log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
                                                                    " (its test split)"))
-    longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
-    for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
-        config[k] = getattr(args, k)  # the run folder says what ran
-    rows = minibatch_rows(args, world_size)
-    # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as a
-    # minibatch holds
-    static_pack = (rows, longest_prompt + args.max_new_tokens - 1) if args.compile and args.pack else None
-    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype, log)
+    evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
+    static_pack = None
+    if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
+        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
+        for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
+            config[k] = getattr(args, k)  # the run folder says what ran
+        # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as
+        # a minibatch holds
+        if args.compile and args.pack:
+            static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
+    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype, log,
+                                                                        evaluating)
     teacher = teacher_digest = None
-    if args.distill_coef > 0:
+    if args.distill_coef > 0 and not evaluating:
         teacher, teacher_digest = load_teacher(args, tokenizer, log)
         teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
                          args.teacher_offload and device.type == "cuda")
@@ -1615,9 +1619,10 @@ def read_tasks(args):
     return train_task, test_task, watched
 
 
-def build_models(args, config, world_size, device, dtype, log):
+def build_models(args, config, world_size, device, dtype, log, evaluating=False):
     """The start policy on the device, its optimizers (and each weight's owning rank when sharded) and the reference
-    -> (model, tokenizer, tag, optimizers, owners, ref_model)."""
+    -> (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone (no optimizers, no
+    reference)."""
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1627,7 +1632,11 @@ def build_models(args, config, world_size, device, dtype, log):
         args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
         recorded = " (the start checkpoint's, as its meta records)" if getattr(
             model, "trained_optimizer", None) == args.optimizer_version else ""
-        log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} (docs/optimizers.md)")
+        if not evaluating:
+            log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} "
+                "(docs/optimizers.md)")
+    if evaluating:
+        return model, tokenizer, tag, [], None, None
     optimizers = make_optimizers(model, args)
     owners = None
     if args.shard_optimizer and world_size > 1:
@@ -2493,7 +2502,7 @@ def resume(args, run):
             raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
         # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
         run.model.load_state_dict(state["master_weights"], strict=False)
-        if len(state["optimizers"]) != len(run.optimizers):
+        if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
             raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has "
                              f"{len(run.optimizers)}")
         for opt, opt_state in zip(run.optimizers, state["optimizers"]):

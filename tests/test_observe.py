@@ -238,3 +238,29 @@ def test_a_run_of_this_program_starts_another_with_its_optimizer_version(tmp_pat
     grpo.main(flags(tmp_path, "--num-steps", "1", "--init", str(tmp_path / "runs" / "first"), name="second"))
     assert "version v5 (the start checkpoint's, as its meta records)" in capsys.readouterr().out
     assert json.load(open(tmp_path / "runs" / "second" / "config.json"))["optimizer_version"] == "v5"
+
+
+def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_training_step(tmp_path, monkeypatch,
+                                                                                            capsys):
+    # --eval-only and --ask read the policy and sample: a step's memory plan (which could refuse an eval that fits),
+    # the optimizers and the KL's reference are not theirs
+    run = ["--demo", "--algo", "grpo", "--eval-every", "2", "--eval-examples", "8", "--final-eval-examples", "8",
+           "--pass-k", "0", "--runs-dir", str(tmp_path), "--run-name", "a"]
+    grpo.main(run + ["--num-steps", "2"])
+    final = lines(tmp_path / "a" / "metrics.jsonl")[-1]
+    replies = lines(tmp_path / "a" / "evals" / "step_2.jsonl")
+    capsys.readouterr()
+
+    def not_for_an_evaluation(*args, **kwargs):
+        raise AssertionError("built for an evaluation")
+    for name in ("make_optimizers", "plan_memory", "frozen"):
+        monkeypatch.setattr(grpo, name, not_for_an_evaluation)
+    resumed = grpo.main(run + ["--num-steps", "2", "--resume", "--eval-only"])  # the weights alone, of the last step
+    assert resumed["eval_reward"] == final["eval_reward"] and resumed["eval_examples"] == 8
+    assert lines(tmp_path / "a" / "evals" / "step_2.jsonl") == replies
+    checkpoint = str(tmp_path / "a" / "chatrl_checkpoints" / "d2")
+    grpo.main(["--demo", "--algo", "grpo", "--init", checkpoint, "--eval-only", "--final-eval-examples", "4",
+               "--runs-dir", str(tmp_path), "--run-name", "e"])
+    grpo.main(["--demo", "--algo", "grpo", "--init", checkpoint, "--ask", "3 1 2", "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "memory plan" not in out and "optimizer:" not in out
