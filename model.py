@@ -129,16 +129,18 @@ def rotary(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of left-padded rows: one [B, n_kv_head, max_len, hd] tensor per
-    layer (not one tensor for all: a compiled step that writes into a view of a larger tensor copies all of it).
+    """Keys and values of every layer for a batch of left-padded rows: one [B, max_len, n_kv_head, hd] tensor per
+    layer (not one tensor for all: a compiled step that writes into a view of a larger tensor copies all of it;
+    columns before heads, so that a row's keys are one contiguous run, as flash attention reads them).
 
     Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
     so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
     embedding [B, C], which the smear of the next token reads (generations with smear only).
 
-    Static (after make_static): a step attends over all max_len columns, those not written yet masked out; `pos`
-    is a tensor on the device and every write is in place. A decode step then has the same shapes, the same
-    memory and the same kernel arguments every time, so it can be captured once as a CUDA graph and replayed."""
+    Static (after make_static): a step's keys are all max_len columns, those not written yet masked out (flash
+    attention on a GPU reads each row's written columns only, cached_attention); `pos` is a tensor on the device and
+    every write is in place. A decode step then has the same shapes, the same memory and the same kernel arguments
+    every time, so it can be captured once as a CUDA graph and replayed."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
@@ -151,25 +153,31 @@ class KVCache:
         self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
 
     def update(self, layer, k, v):
-        """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far (static: all
+        """Store k, v ([B, T, H, hd]) after the current position; return all keys and values so far (static: all
         max_len columns)."""
         if self.k is None:
-            B, H, _, hd = k.shape
-            self.k = [k.new_zeros(B, H, self.max_len, hd) for _ in range(self.n_layer)]
-            self.v = [v.new_zeros(B, H, self.max_len, hd) for _ in range(self.n_layer)]
+            B, _, H, hd = k.shape
+            self.k = [k.new_zeros(B, self.max_len, H, hd) for _ in range(self.n_layer)]
+            self.v = [v.new_zeros(B, self.max_len, H, hd) for _ in range(self.n_layer)]
         if self.static:  # one token per row, written at the column pos points to
-            self.k[layer].index_copy_(2, self.pos.view(1), k)
-            self.v[layer].index_copy_(2, self.pos.view(1), v)
+            self.k[layer].index_copy_(1, self.pos.view(1), k)
+            self.v[layer].index_copy_(1, self.pos.view(1), v)
             return self.k[layer], self.v[layer]
-        end = self.pos + k.size(2)
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        end = self.pos + k.size(1)
+        self.k[layer][:, self.pos:end] = k
+        self.v[layer][:, self.pos:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def select(self, rows):
-        """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows)."""
+        """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows). A static
+        cache shrinks in place: the rows move to the front of its memory, which it keeps (no second cache at once)."""
         self.pad = self.pad[rows]
-        self.k, self.v = [keys[rows] for keys in self.k], [values[rows] for values in self.v]
+        if self.static:
+            for cache in self.k + self.v:
+                cache[:len(rows)] = cache[rows]
+            self.k, self.v = [keys[:len(rows)] for keys in self.k], [values[:len(rows)] for values in self.v]
+        else:
+            self.k, self.v = [keys[rows] for keys in self.k], [values[rows] for values in self.v]
         if self.previous is not None:
             self.previous = self.previous[rows]
 
@@ -205,9 +213,11 @@ class CausalSelfAttention(nn.Module):
         if pack is not None:  # B = 1: rows packed one after another, each attending within itself only
             y = packed_attention(q[0], k[0], v[0], pack, attn_mask, self.window, self.n_kv_head != self.n_head)
             return self.c_proj(y.reshape(B, T, C))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
+            k, v = cache.update(layer, k, v)  # [B, S, H_kv, hd] with S = everything cached so far
+            if cache.static and flash_varlen(q) and (VARLEN_GQA or self.n_kv_head == self.n_head):
+                return self.c_proj(cached_attention(q, k, v, cache, self.window).reshape(B, T, C))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T or S, hd]
         # On a GPU, SDPA's first choice for a masked call may be cuDNN attention, which builds a plan for every new
         # shape (~14 ms of CPU each); efficient attention takes any shape as it comes (math where it cannot, GQA).
         backends = sdpa_kernel(MASKED_CUDA_ATTENTION) if attn_mask is not None and q.is_cuda else nullcontext()
@@ -235,6 +245,23 @@ def packed_attention(q, k, v, pack, mask, window, gqa):
     q, k, v = (t[pack["rows"]].transpose(1, 2) for t in (q, k, v))  # [R, H, L, hd]
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     return y.transpose(1, 2).flatten(0, 1)[pack["flat"]]  # [R * L, H, hd] -> [T, H, hd]
+
+
+def cached_attention(q, k, v, cache, window):
+    """A decode step's attention on a GPU: q [B, 1, H, hd], the static cache's k, v [B, S, H_kv, hd] -> [B, H, hd].
+    Flash attention over each row's written columns only (varlen_attn's seqused_k: from the row's first real column,
+    its padding skipped, through this step's), where the masked path reads all S columns of every row: a step's
+    attention costs what the replies so far hold, not the cache's full length."""
+    B, S = k.shape[:2]
+    # spans from 0: an empty one first (no query; the first row's padding), then row b's from its first real column
+    rows = torch.arange(B + 1, device=q.device)
+    queries = torch.cat([rows[:1], rows]).int()  # [B + 2]
+    keys = torch.cat([rows[:1], rows[:-1] * S + cache.pad, rows[-1:] * S]).int()  # [B + 2]
+    written = torch.cat([rows[:1], cache.pos + 1 - cache.pad]).int()  # [B + 1]: through the column this step wrote
+    reach = -1 if window is None or window >= S - 1 else window
+    grouped = {"enable_gqa": k.size(2) != q.size(2)} if VARLEN_GQA else {}
+    return varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), queries, keys, 1, S,
+                       window_size=(reach, 0), seqused_k=written, **grouped)
 
 
 def flash_varlen(q):
@@ -629,11 +656,13 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
     `decode`: how a decode step runs. "dynamic": attention over the columns written so far, and finished rows
-    leave the batch (least work: the CPU's default). "static": the same shapes every step (KVCache.make_static),
-    finished rows stay, masked. "graph": static, captured once as a CUDA graph and replayed, one launch a step
-    (CUDA's default: a step of small kernels is bound by launches, not by the GPU). With model.use_compile a static
-    step runs compiled (its small kernels fused), captured or not. The same tokens either way,
-    up to rounding (the attention sums over a different number of columns).
+    leave the batch (least work: the CPU's default). "static": the same shapes step after step
+    (KVCache.make_static), finished rows staying, masked, until half the batch has finished: then the batch halves
+    (the running rows, and finished ones to fill it), so a group's last long reply runs in a small batch. "graph":
+    static, each batch size's step captured once as a CUDA graph and replayed, one launch a step (CUDA's default: a
+    step of small kernels is bound by launches, not by the GPU). With model.use_compile a static step runs compiled
+    (its small kernels fused), captured or not. The same tokens either way, up to rounding (the attention sums over
+    a different number of columns; each row's noise is its own, wherever it sits in the batch).
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -711,10 +740,20 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
                         forced = F.pad(forced, (0, len(queue) - forced.size(1)))
                     forced[i, :len(queue)] = torch.tensor(queue, device=device)
                     num_forced[i] = len(queue)
-        if decode == "dynamic" and num_running <= 0.75 * done.numel():  # finished rows leave the batch
+        batch = done.numel()
+        if decode == "dynamic" and num_running <= 0.75 * batch:  # finished rows leave the batch
             keep = (~done).nonzero().flatten()
+        elif decode != "dynamic" and num_running <= batch // 2:  # static shapes: the batch halves (a few sizes,
+            while num_running <= batch // 2:  # each with its own captured step), finished rows filling it up
+                batch //= 2
+            keep = torch.sort(done.int(), stable=True).indices[:batch]  # the running rows first, in their order
+        else:
+            keep = None
+        if keep is not None:
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
+            if decode != "dynamic":
+                step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
         sampled, sampled_logprob = step(token, noise[rows, t + 1])
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                                         truncated=truncated).items()}

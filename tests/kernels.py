@@ -5,7 +5,10 @@ varlen_attn (torch.nn.attention.varlen, flash attention over packed sequences): 
 [T_k, H_kv, D] in bf16 or fp16 (D a multiple of 8, at most 256); cu_seq_q, cu_seq_k [N + 1] int32 on the same
 device, from 0 to T, non-decreasing; max_q, max_k the longest query / key span (the kernel sizes its launch grid
 from them: positions past them are never computed, forward or backward); window_size (left, right), -1 for
-unbounded, (W, 0) causal within W keys back; enable_gqa when H_kv < H, H a multiple of H_kv."""
+unbounded, (W, 0) causal within W keys back; enable_gqa when H_kv < H, H a multiple of H_kv. seqused_k [N] int32
+(inference only, no backward): span i's keys are its first seqused_k[i] only, at most max_k of them, and its
+queries are its last ones (causal from the bottom right: a query sees the keys up to its own position counted from
+the end), as in a decode step over a KV cache."""
 import math
 
 import torch
@@ -22,25 +25,38 @@ def check_varlen_arguments(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 
     assert key.shape == value.shape
     H, H_kv = query.size(1), key.size(1)
     assert (H == H_kv) or (enable_gqa and H % H_kv == 0), f"{H} query heads, {H_kv} kv heads, enable_gqa={enable_gqa}"
-    assert seqused_k is None and block_table is None, "seqused_k / block_table are inference-only (no backward)"
+    assert block_table is None, "the model keeps no paged cache"
+    cached = seqused_k is not None
+    if cached:  # a decode step over a KV cache
+        assert not torch.is_grad_enabled() or not (query.requires_grad or key.requires_grad), "seqused_k: no backward"
+        assert seqused_k.dtype == torch.int32 and seqused_k.shape == (cu_seq_k.numel() - 1,), "seqused_k: [N] int32"
+        assert seqused_k.device == query.device
     for cu, total, most, name in ((cu_seq_q, query.size(0), max_q, "q"), (cu_seq_k, key.size(0), max_k, "k")):
         assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(), f"cu_seq_{name}: 1-D int32"
         assert isinstance(most, int) and most > 0, f"max_{name} must be a positive int, got {most!r}"
         spans = cu[1:] - cu[:-1]
         assert cu[0] == 0 and cu[-1] == total, f"cu_seq_{name} runs from {cu[0]} to {cu[-1]}, not 0 to {total}"
         assert bool((spans >= 0).all()), f"cu_seq_{name} decreases"
+        if cached and name == "k":  # what the kernel reads of a span: its first seqused_k keys
+            assert bool((seqused_k >= 0).all() and (seqused_k <= spans).all()), "seqused_k past its span"
+            spans = seqused_k
         assert not spans_within_max or int(spans.max()) <= most, f"a {name} span of {int(spans.max())} tokens is longer than max_{name} {most}"
-    assert cu_seq_q.shape == cu_seq_k.shape and torch.equal(cu_seq_q, cu_seq_k), "self-attention: the same spans"
+    assert cu_seq_q.shape == cu_seq_k.shape, "as many query spans as key spans"
+    if cached:
+        used = seqused_k.tolist()
+        assert all(q <= k for q, k in zip((cu_seq_q[1:] - cu_seq_q[:-1]).tolist(), used)), "more queries than keys"
+    else:
+        assert torch.equal(cu_seq_q, cu_seq_k), "self-attention: the same spans"
     assert isinstance(window_size, tuple) and len(window_size) == 2 and all(
         isinstance(w, int) and w >= -1 for w in window_size), f"window_size (left, right), got {window_size!r}"
 
 
 def span_attention(q, k, v, left, right, scale):
-    """One span's attention, in float64: q [L, H, D], k, v [L, H, D] (kv heads already repeated)."""
-    L = q.size(0)
+    """One span's attention, in float64: q [L_q, H, D], k, v [L_k, H, D] (kv heads already repeated), query i at key
+    position i + L_k - L_q."""
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    i, j = torch.arange(L)[:, None], torch.arange(L)[None]
-    allowed = torch.ones(L, L, dtype=torch.bool)
+    i, j = torch.arange(q.size(0))[:, None] + k.size(0) - q.size(0), torch.arange(k.size(0))[None]
+    allowed = torch.ones(q.size(0), k.size(0), dtype=torch.bool)
     if right >= 0:
         allowed &= j <= i + right
     if left >= 0:
@@ -60,12 +76,14 @@ def strict_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, r
     groups = query.size(1) // key.size(1)
     k, v = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
-    bounds = cu_seq_q.tolist()
+    bounds, key_starts = cu_seq_q.tolist(), cu_seq_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else [b - a for a, b in zip(key_starts, key_starts[1:])]
     parts = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end, key_start, n in zip(bounds, bounds[1:], key_starts, used):
         if end == start:
             continue
-        out = span_attention(query[start:end], k[start:end], v[start:end], *window_size, scale)
+        keys = slice(key_start, key_start + n)
+        out = span_attention(query[start:end], k[keys], v[keys], *window_size, scale)
         if drop_past_max and end - start > max_q:
             out = torch.cat([out[:max_q], torch.full_like(out[max_q:], float("nan"))])
         parts.append(out)

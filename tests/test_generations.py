@@ -100,26 +100,96 @@ def test_batched_greedy_equals_one_at_a_time_and_no_cache(generation):
             assert batched["tokens"][row, :n].tolist() == reference[:n]
 
 
-@pytest.mark.parametrize("generation", GENERATIONS)
-def test_static_decoding_samples_what_dynamic_decoding_samples(generation):
-    # Static shapes (every step attends over the whole cache, finished rows stay in the batch) against the
-    # dynamic sampler, for sampled and greedy replies that end at different times, some cut off, from prompts
-    # longer than the short windows. Tokens, masks and lengths are equal; the log-probs differ by rounding only,
-    # as the attention sums over more (masked) columns.
-    model = random_model(generation)
-    prompts = random_tokens(5, 40, 77)
-    with torch.no_grad():  # the stop token wins where the model's favourite token would: replies end at different steps
+def replies_that_end_at_different_steps(model, prompts):
+    """The stop token made to win where the model's favourite token would: replies end at different steps."""
+    with torch.no_grad():
         favourite = model(torch.tensor([sum(prompts, [])]))[0].argmax(dim=-1).mode().values
         model.lm_head.weight[TOK.assistant_end] = 1.02 * model.lm_head.weight[favourite]
+    return model
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_static_decoding_samples_what_dynamic_decoding_samples(generation, monkeypatch):
+    # Static shapes (every step attends over the whole cache, finished rows stay in the batch until half of it has
+    # finished, then it halves) against the dynamic sampler, for sampled and greedy replies that end at different
+    # times, some cut off, from prompts longer than the short windows. Tokens, masks and lengths are equal; the
+    # log-probs differ by rounding only, as the attention sums over more (masked) columns.
+    model = replies_that_end_at_different_steps(random_model(generation), random_tokens(5, 40, 77))
+    prompts = random_tokens(5, 40, 77)
+    sizes, step = [], model_module.decode_step
+    monkeypatch.setattr(model_module, "decode_step", lambda model, cache, *a: sizes.append(cache.pad.numel()) or step(
+        model, cache, *a))
     lengths = []
     for options in (dict(temperature=1.0, top_k=50, seed=3, tool=calculator), dict(temperature=0)):
-        dynamic, static = (generate(model, TOK, prompts, 4, 30, decode=decode, **options)
-                           for decode in ("dynamic", "static"))
+        dynamic = generate(model, TOK, prompts, 4, 30, decode="dynamic", **options)
+        sizes.clear()
+        static = generate(model, TOK, prompts, 4, 30, decode="static", **options)
         for key in ("tokens", "mask", "lengths", "truncated"):
             assert torch.equal(dynamic[key], static[key]), key
         torch.testing.assert_close(dynamic["logprobs"], static["logprobs"], rtol=0, atol=1e-4)
         lengths += dynamic["lengths"].tolist()
-    assert len(set(lengths)) > 2  # rows finished at different steps
+        running = [int((dynamic["lengths"] > t + 1).sum()) for t in range(len(sizes))]  # rows left after token t
+        halvings = [12 >> i for i in range(4)]  # 12 rows, then 6, 3, 1: a halving once half of the batch finished
+        assert sizes == [next(s for s in reversed(halvings) if s >= n) for n in running], (sizes, running)
+    assert len(set(lengths)) > 2  # rows finished at different steps (in 5 generations of 7, half of them: it halves)
+
+
+@pytest.mark.parametrize("generation", ["classic", "value-embeds", "smear-backout"])
+def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation, monkeypatch):
+    # The CUDA branch of a static decode step (flash attention with seqused_k: each row's keys from its first real
+    # column through this step's) on the CPU, through the kernel's strict stand-in: every call keeps the contract,
+    # reads no padding and no column not yet written, as rows finish and the batch halves, and computes what the
+    # masked attention over the whole cache does (both in bf16 against float64).
+    from kernels import strict_varlen_attn
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model(generation), prompts)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=None, **kw):
+        calls.append((cu_q.numel() - 1, max_k, seqused_k))
+        return strict_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=seqused_k, **kw)
+    monkeypatch.setattr(model_module, "varlen_attn", kernel)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", True)
+    monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype == torch.bfloat16)
+    with bf16:
+        for options in (dict(temperature=1.0, top_k=50, seed=3), dict(temperature=0)):
+            generate(model, TOK, prompts, 4, 30, decode="static", **options)
+    longest = max(map(len, prompts))
+    steps = [(rows - 1, used[1:]) for rows, width, used in calls[::model.config.n_layer] if width == longest + 30]
+    assert len(calls) == model.config.n_layer * len(steps) and {rows for rows, _ in steps} > {12}
+    # the first step of a call: every row's whole prompt and its first reply token; each step one more
+    first = [len(p) + 1 for p in prompts for _ in range(4)]
+    starts = [i for i, (_, used) in enumerate(steps) if used.tolist() == first]
+    assert len(starts) == 2 and starts[0] == 0  # sampled, then greedy
+    for i, (_, used) in enumerate(steps):
+        t = i - max(start for start in starts if start <= i)
+        assert set((used - t).tolist()) <= {len(p) + 1 for p in prompts}, (t, used)
+    # the numbers: the same tokens forced through both paths in bf16, a row dropped half-way, each against float64
+    continuation = torch.tensor(random_tokens(12, 12, 12, seed=2))
+    exact = forced_decode_logits(copy.deepcopy(model).double(), prompts, continuation, nullcontext())
+    errors = {}
+    for flash in (False, True):
+        monkeypatch.setattr(model_module, "flash_varlen", lambda q, on=flash: on and q.dtype == torch.bfloat16)
+        errors[flash] = (forced_decode_logits(model, prompts, continuation, bf16) - exact).abs().max().item()
+    assert errors[True] <= 2 * errors[False], errors
+
+
+def forced_decode_logits(model, prompts, continuation, autocast):
+    """Logits [rows, 1 + steps, V] of a prefill and of static decode steps on forced tokens; after half the steps the
+    batch keeps rows 2 and 0, as a halving does."""
+    longest, steps = max(map(len, prompts)), continuation.size(1)
+    cache = KVCache(model.config.n_layer, torch.tensor([longest - len(p) for p in prompts]), longest + steps)
+    kept = torch.tensor([2, 0])
+    with torch.no_grad(), autocast:
+        logits = [model(torch.tensor([[0] * (longest - len(p)) + p for p in prompts]), cache)[kept, -1]]
+        cache.make_static()
+        for i in range(steps):
+            if i == steps // 2:
+                cache.select(kept)
+            rows = kept if i >= steps // 2 else slice(None)
+            logits.append(model(continuation[rows, i:i + 1], cache)[:, -1][kept if i < steps // 2 else slice(None)])
+    return torch.stack(logits, dim=1).double()
 
 
 @pytest.mark.slow
