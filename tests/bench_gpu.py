@@ -24,11 +24,9 @@ For each shape (random weights, nanochat's newest GPT generation by default), fi
     real token, padding and recomputation not counted), peak memory next to the plan's; the compile's seconds apart (an update run
     before the timed one); with --profile the 15 CUDA kernels that take most of the timed update's time.
 The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random. The rollouts are
-measured a second time at real lengths: each reply stops where a GSM8K training answer, rendered as a nanochat chat
-reply (calculator blocks and their outputs included, the stop token last), would, its bytes divided by
---bytes-per-token (nanochat's 65,536-token tokenizer: 1.9 bytes a token on math text, 4.9 on English, in its own
-tokenizer report; no BPE tokenizer is on this machine to count GSM8K exactly), the stop token forced there; the
-decode's time next to the bound of reading the weights once a step and each running row's filled cache only.
+measured a second time at real lengths (tests/bench_lengths.py: each reply stops where a GSM8K training answer would,
+--bytes-per-token bytes a token), the decode's time next to the bound of reading the weights once a step and each
+running row's filled cache only.
 Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
 """
 import argparse
@@ -37,7 +35,6 @@ import gc
 import os
 import sys
 import time
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -45,9 +42,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
-import model as model_module  # noqa: E402
+from bench_lengths import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
-from tasks.gsm8k import GSM8K  # noqa: E402
 from tasks.sort import Sort  # noqa: E402
 
 SHAPES = {  # nanochat's depth-d models: width 64 * d, heads of 128 channels
@@ -154,49 +150,6 @@ def rollouts(model, prompts, decode="auto", new_tokens=None):
     with autocast:
         return generate(model, tokenizer, prompts, args.samples, new_tokens or args.new_tokens, temperature=1.0,
                         top_k=50, seed=0, decode=decode)
-
-
-def gsm8k_reply_lengths(n, max_new_tokens):
-    """n reply lengths in tokens, the stop token included, drawn (seeded) from GSM8K's training answers rendered as
-    nanochat renders a chat reply, in bytes (the byte-level tokenizer: special tokens one each) / --bytes-per-token,
-    at most max_new_tokens; None without the data."""
-    try:
-        task = GSM8K("train", data_dir=args.gsm8k_dir)
-    except (OSError, ValueError) as e:
-        print(f"  no rollouts at real lengths: GSM8K's train split is not at {args.gsm8k_dir} ({e}); pass --gsm8k-dir")
-        return None
-    counts = []
-    for i in range(len(task)):
-        ids, mask = tokenizer.render_conversation(task[i])
-        counts.append(len(ids) - mask.index(1))  # from the reply's first token through its stop token
-    drawn = torch.tensor(counts)[torch.randint(0, len(counts), (n,), generator=torch.Generator().manual_seed(0))]
-    return (drawn / args.bytes_per_token).round().long().clamp(1, max_new_tokens)
-
-
-@contextmanager
-def stopping_at(lengths):
-    """generate()'s replies end with the stop token at these lengths (prompt-major rows, as it returns them): each
-    row's noise is marked (2, out of the sampler's [0, 1)) at its last position, and the sampler puts the stop token
-    where it meets the mark. Per row, whatever the batch's order or size, captured or not."""
-    rand, sample_tokens = torch.rand, model_module.sample_tokens
-    prompts_seen = []
-
-    def marked_rand(*shape, generator=None, **kwargs):  # generate draws one [G, new tokens] block per prompt
-        noise = rand(*shape, generator=generator, **kwargs)
-        first = len(prompts_seen) * shape[0]
-        prompts_seen.append(first)
-        for g, length in enumerate(lengths[first:first + shape[0]].tolist()):
-            noise[g, length - 1] = 2.0
-        return noise
-
-    def stop_where_marked(raw_logits, temperature, top_k, uniform, softcap):
-        token, logprob = sample_tokens(raw_logits, temperature, top_k, uniform.clamp(max=0.5), softcap)
-        return torch.where(uniform > 1, tokenizer.assistant_end, token), logprob
-    torch.rand, model_module.sample_tokens = marked_rand, stop_where_marked
-    try:
-        yield
-    finally:
-        torch.rand, model_module.sample_tokens = rand, sample_tokens
 
 
 def decode_bound(model, rows, bandwidth):
@@ -361,15 +314,18 @@ for shape in args.shapes.split(","):
     print(f"  decode step, {best} ({args.prompts * args.samples} rows): {1e3 * step_seconds:.2f} ms; bandwidth bound "
           f"{1e3 * bound:.2f} ms (weights {weight_bytes / 1e9:.2f} GB + KV cache {kv_bytes / 1e9:.2f} GB a step) "
           f"= {bound / step_seconds:.0%} of the bound")
-    lengths = gsm8k_reply_lengths(args.prompts * args.samples, args.new_tokens)
+    try:
+        lengths = gsm8k_reply_lengths(tokenizer, args.gsm8k_dir, args.bytes_per_token, args.prompts * args.samples,
+                                      args.new_tokens)
+    except (OSError, ValueError) as e:
+        print(f"  no rollouts at real lengths: GSM8K's train split is not at {args.gsm8k_dir} ({e}); pass --gsm8k-dir")
+        lengths = None
     if lengths is not None:
-        print(f"  at real lengths (GSM8K's answers at {args.bytes_per_token:g} bytes a token): replies of "
-              f"{int(lengths.min())}-{int(lengths.max())} tokens, median {int(lengths.median())}, mean "
-              f"{lengths.float().mean():.0f}; {int(lengths.sum())} tokens a call")
+        print(f"  at real lengths ({describe(lengths, args.bytes_per_token)}; {int(lengths.sum())} tokens a call)")
         bound = decode_bound_at(model, lengths, bandwidth)
         for label, decode, compiled in modes + [("static", "static", False), ("dynamic", "dynamic", False)]:
             model.use_compile = compiled
-            with stopping_at(lengths):
+            with stopping_at(lengths, tokenizer.assistant_end):
                 samples, call_seconds = timed(lambda: rollouts(model, prompts, decode))
             assert torch.equal(samples["lengths"], lengths), "the replies did not stop where they were told to"
             decode_seconds = call_seconds - prefill_seconds
