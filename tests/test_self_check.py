@@ -82,3 +82,27 @@ def test_an_attention_fault_stops_the_run_at_its_self_check(tmp_path, monkeypatc
         grpo.main(argv)
     message = str(stop.value.code)
     assert message.startswith("error: self-check: packed passes: log-probs differ") and "--no-pack" in message
+
+
+def kernel_missing_each_rows_newest_key(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=None, **kwargs):
+    """A decode step gone wrong: each row's keys read one short (the column the step wrote left out)."""
+    if seqused_k is not None:
+        seqused_k = (seqused_k - 1).clamp(min=0)
+    return strict_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k, **kwargs)
+
+
+@pytest.mark.parametrize("kernel, fault", [(strict_varlen_attn, None), (kernel_missing_each_rows_newest_key, True)])
+def test_the_self_check_covers_a_gpus_decode_step_over_each_rows_written_columns(tmp_path, capsys, flash_on_the_cpu,
+                                                                                kernel, fault):
+    # --decode static on the CPU with the flash branch forced: each decode step's attention is varlen_attn over the
+    # rows' written columns (seqused_k), as a GPU run's captured step; the check's sampler log-probs cover it
+    flash_on_the_cpu(kernel)
+    if not fault:
+        grpo.main(FLAGS + ["--decode", "static", "--runs-dir", str(tmp_path)])
+        assert "the sampler's decode (--decode static)" in capsys.readouterr().out
+        return
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(FLAGS + ["--decode", "static", "--runs-dir", str(tmp_path)])
+    message = str(stop.value.code)
+    assert message.startswith("error: self-check: the sampler's decode (--decode static)") and "--decode dynamic" in \
+        message and "\n" not in message
