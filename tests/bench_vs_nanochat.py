@@ -5,9 +5,10 @@ grpo.py next to nanochat's own code, on the same device and the same random weig
     python tests/bench_vs_nanochat.py --part rollouts   # one part a command: rollouts, update, pretrain
     python tests/bench_vs_nanochat.py --smoke        # a tiny shape on any device: checks that the script runs
 
-The weights are made by nanochat (its GPT on the meta device, to_empty, init_weights, seed 0; the head spread to
-std 0.02 so that sampling does real work, the stop and tool tokens' rows zeroed so that neither model ever samples
-them), then read into grpo.py's model (model.model_from_state).
+The weights are made by nanochat (its GPT on the meta device, to_empty, init_weights, seed 0; the head and the output
+projections then drawn with std 0.02, so that sampling does real work and attention matters, the stop and tool
+tokens' rows of the head zeroed so that neither model ever samples them), then read into grpo.py's model
+(model.model_from_state); the two models' logits on one prompt are printed next to each other first.
 (a) rollouts: nanochat's Engine as chat_rl.py calls it (one question at a time, --device-batch-size replies a
     generate_batch call, --num-samples a question) against grpo.py's sampler as a GPU run calls it (every question's
     replies in one call, the decode step compiled and captured), --prompts questions, at real lengths
@@ -113,15 +114,19 @@ def the_same_random_weights():
         theirs = NanochatGPT(config)
     theirs.to_empty(device=device)
     theirs.init_weights()
-    with torch.no_grad():
+    with torch.no_grad():  # output projections filled too: nanochat's zeros make every position ignore the others
+        for name, p in theirs.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.normal_(0, 0.02)
         theirs.lm_head.weight.normal_(0, 0.02)
         theirs.lm_head.weight[[tokenizer.assistant_end, tokenizer.bos, tokenizer.python_start]] = 0
     state = {k: v.detach().cpu() for k, v in theirs.state_dict().items()}
     ours = model_from_state(dataclasses.asdict(config), state, log=lambda line: None).to(device)
     ids = torch.randint(0, 256, (1, args.prompt_len), generator=torch.Generator().manual_seed(2)).to(device)
-    with torch.no_grad(), autocast:  # the same model: the same logits, up to the rounding of each one's bf16 casts
-        difference = (theirs(ids).float() - ours(ids)[..., :args.vocab_size].float()).abs().max().item()
-    print(f"the same weights in both: logits {difference:.1e} apart at most (bf16 rounding on a GPU)")
+    with torch.no_grad():  # the same model: the same logits (nanochat computes in bf16 on a GPU, ours in float32 here)
+        difference = (theirs(ids).float() - ours(ids)[..., :args.vocab_size]).abs().max().item()
+    print(f"the same weights in both: logits {difference:.1e} apart at most (rounding: float32 on the CPU, nanochat's "
+          f"bf16 on a GPU)")
     return theirs, ours
 
 
