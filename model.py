@@ -129,18 +129,18 @@ def rotary(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of left-padded rows: one [B, max_len, n_kv_head, hd] tensor per
-    layer (not one tensor for all: a compiled step that writes into a view of a larger tensor copies all of it;
-    columns before heads, so that a row's keys are one contiguous run, as flash attention reads them).
+    """Keys and values of every layer for a batch of left-padded rows: one tensor per layer (not one tensor for all: a
+    compiled step that writes into a view of a larger tensor copies all of it), [B, n_kv_head, max_len, hd].
 
     Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
     so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
     embedding [B, C], which the smear of the next token reads (generations with smear only).
 
     Static (after make_static): a step's keys are all max_len columns, those not written yet masked out (flash
-    attention on a GPU reads each row's written columns only, cached_attention); `pos` is a tensor on the device and
-    every write is in place. A decode step then has the same shapes, the same memory and the same kernel arguments
-    every time, so it can be captured once as a CUDA graph and replayed."""
+    attention on a GPU reads each row's written columns only, cached_attention, which wants a row's keys in one
+    contiguous run: the tensors turn to [B, max_len, n_kv_head, hd]); `pos` is a tensor on the device and every
+    write is in place. A decode step then has the same shapes, the same memory and the same kernel arguments every
+    time, so it can be captured once as a CUDA graph and replayed."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
@@ -151,22 +151,25 @@ class KVCache:
 
     def make_static(self):
         self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
+        if self.k is not None:  # columns before heads (one copy a generate call)
+            self.k, self.v = ([t.transpose(1, 2).contiguous() for t in tensors] for tensors in (self.k, self.v))
 
     def update(self, layer, k, v):
-        """Store k, v ([B, T, H, hd]) after the current position; return all keys and values so far (static: all
-        max_len columns)."""
+        """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far as [B, H, S, hd]
+        (static: all max_len columns, a view of the [B, max_len, H, hd] tensors)."""
         if self.k is None:
-            B, _, H, hd = k.shape
-            self.k = [k.new_zeros(B, self.max_len, H, hd) for _ in range(self.n_layer)]
-            self.v = [v.new_zeros(B, self.max_len, H, hd) for _ in range(self.n_layer)]
+            B, H, _, hd = k.shape
+            shape = (B, self.max_len, H, hd) if self.static else (B, H, self.max_len, hd)
+            self.k = [k.new_zeros(shape) for _ in range(self.n_layer)]
+            self.v = [v.new_zeros(shape) for _ in range(self.n_layer)]
         if self.static:  # one token per row, written at the column pos points to
-            self.k[layer].index_copy_(1, self.pos.view(1), k)
-            self.v[layer].index_copy_(1, self.pos.view(1), v)
-            return self.k[layer], self.v[layer]
-        end = self.pos + k.size(1)
-        self.k[layer][:, self.pos:end] = k
-        self.v[layer][:, self.pos:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+            self.k[layer].index_copy_(1, self.pos.view(1), k.transpose(1, 2))
+            self.v[layer].index_copy_(1, self.pos.view(1), v.transpose(1, 2))
+            return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
+        end = self.pos + k.size(2)
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def select(self, rows):
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows). A static
@@ -213,11 +216,11 @@ class CausalSelfAttention(nn.Module):
         if pack is not None:  # B = 1: rows packed one after another, each attending within itself only
             y = packed_attention(q[0], k[0], v[0], pack, attn_mask, self.window, self.n_kv_head != self.n_head)
             return self.c_proj(y.reshape(B, T, C))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
-            k, v = cache.update(layer, k, v)  # [B, S, H_kv, hd] with S = everything cached so far
+            k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
             if cache.static and flash_varlen(q) and (VARLEN_GQA or self.n_kv_head == self.n_head):
-                return self.c_proj(cached_attention(q, k, v, cache, self.window).reshape(B, T, C))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T or S, hd]
+                return self.c_proj(cached_attention(q, cache, layer, self.window).reshape(B, T, C))
         # On a GPU, SDPA's first choice for a masked call may be cuDNN attention, which builds a plan for every new
         # shape (~14 ms of CPU each); efficient attention takes any shape as it comes (math where it cannot, GQA).
         backends = sdpa_kernel(MASKED_CUDA_ATTENTION) if attn_mask is not None and q.is_cuda else nullcontext()
@@ -247,11 +250,12 @@ def packed_attention(q, k, v, pack, mask, window, gqa):
     return y.transpose(1, 2).flatten(0, 1)[pack["flat"]]  # [R * L, H, hd] -> [T, H, hd]
 
 
-def cached_attention(q, k, v, cache, window):
-    """A decode step's attention on a GPU: q [B, 1, H, hd], the static cache's k, v [B, S, H_kv, hd] -> [B, H, hd].
+def cached_attention(q, cache, layer, window):
+    """A decode step's attention on a GPU: q [B, H, 1, hd], the static cache's layer -> [B, H, hd].
     Flash attention over each row's written columns only (varlen_attn's seqused_k: from the row's first real column,
     its padding skipped, through this step's), where the masked path reads all S columns of every row: a step's
     attention costs what the replies so far hold, not the cache's full length."""
+    k, v = cache.k[layer], cache.v[layer]  # [B, S, H_kv, hd]
     B, S = k.shape[:2]
     # spans from 0: an empty one first (no query; the first row's padding), then row b's from its first real column
     rows = torch.arange(B + 1, device=q.device)
@@ -260,7 +264,7 @@ def cached_attention(q, k, v, cache, window):
     written = torch.cat([rows[:1], cache.pos + 1 - cache.pad]).int()  # [B + 1]: through the column this step wrote
     reach = -1 if window is None or window >= S - 1 else window
     grouped = {"enable_gqa": k.size(2) != q.size(2)} if VARLEN_GQA else {}
-    return varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), queries, keys, 1, S,
+    return varlen_attn(q.transpose(1, 2).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), queries, keys, 1, S,
                        window_size=(reach, 0), seqused_k=written, **grouped)
 
 

@@ -224,7 +224,7 @@ class ScriptedModel(torch.nn.Module):
 
     def hidden(self, idx, cache):  # the "hidden state" is already the logits: the head is the identity
         B, T = idx.shape
-        cache.update(0, torch.zeros(B, T, 1, 2), torch.zeros(B, T, 1, 2))
+        cache.update(0, torch.zeros(B, 1, T, 2), torch.zeros(B, 1, T, 2))
         cache.pos += T
         return F.one_hot(self.table[idx], self.config.vocab_size).float() * 100
 
