@@ -5,21 +5,25 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
     python tests/bench_sampler.py --max-new-tokens 128 --device cuda
     python tests/bench_sampler.py --generation classic smear-backout --repeats 5   # oldest vs newest nanochat GPT
     python tests/bench_sampler.py --decode static --compile   # the decode step of static shapes, compiled
+    python tests/bench_sampler.py --real-lengths --max-new-tokens 256 --decode static   # replies end at GSM8K's lengths
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
 3. naive: no KV cache, a full forward over the whole sequence for every new token (one prompt's samples).
-The random model never emits a stop token, so every row generates exactly --max-new-tokens tokens.
+The random model never emits a stop token, so every row generates exactly --max-new-tokens tokens; with
+--real-lengths each batched reply stops where a GSM8K answer would (tests/bench_lengths.py), the other ways skipped.
 With several generations (same shape), their timings interleave, so that a busy machine slows them alike.
 """
 import argparse
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_lengths import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,6 +40,9 @@ parser.add_argument("--repeats", type=int, default=1, help="time each way this m
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 parser.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="generate()'s decode")
 parser.add_argument("--compile", action="store_true", help="the static decode step through torch.compile (grpo.py's --compile)")
+parser.add_argument("--real-lengths", action="store_true", help="batched replies stop at GSM8K's answer lengths")
+parser.add_argument("--gsm8k-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))
+parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_lengths.py")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -68,8 +75,9 @@ def timed(fn, model):
 
 
 def batched(model):
-    out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
-                   decode=args.decode)
+    with stopping_at(lengths, tokenizer.assistant_end) if args.real_lengths else nullcontext():
+        out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
+                       decode=args.decode)
     return int(out["lengths"].sum())
 
 
@@ -88,11 +96,16 @@ def naive_one_prompt(model):
     return args.samples * args.max_new_tokens
 
 
+lengths = None
+if args.real_lengths:
+    lengths = gsm8k_reply_lengths(tokenizer, args.gsm8k_dir, args.bytes_per_token, args.prompts * args.samples,
+                                  args.max_new_tokens)
+    print(describe(lengths, args.bytes_per_token))
 with autocast:
     for model in models.values():
         generate(model, tokenizer, prompts[:2], 2, 4, top_k=50, decode=args.decode)  # warm-up (and compile)
     for name, fn in [("batched, one call", batched), ("one prompt per call", one_prompt_per_call),
-                     ("naive, no cache (1 prompt)", naive_one_prompt)]:
+                     ("naive, no cache (1 prompt)", naive_one_prompt)][:1 if args.real_lengths else 3]:
         runs = {generation: [] for generation in models}
         for _ in range(args.repeats):
             for generation, model in models.items():
