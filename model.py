@@ -151,8 +151,9 @@ class KVCache:
 
     def make_static(self):
         self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
-        if self.k is not None:  # columns before heads (one copy a generate call)
-            self.k, self.v = ([t.transpose(1, 2).contiguous() for t in tensors] for tensors in (self.k, self.v))
+        for layer in range(self.n_layer if self.k is not None else 0):  # columns before heads: one copy a call,
+            for cache in (self.k, self.v):  # a layer at a time (the plan counts one cache, not two)
+                cache[layer] = cache[layer].transpose(1, 2).contiguous()
 
     def update(self, layer, k, v):
         """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far as [B, H, S, hd]
