@@ -11,16 +11,19 @@ simplified REINFORCE and DeepSeekMath's full GRPO, and everything in between.
 
 The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per reply token t:
     A_i       = r_i - mean(r)   (--advantage mean);  / (std(r) + eps)   (zscore);  * G / (G - 1)   (rloo)
-    A_i,t     = A_i + lambda (log pi_teacher(o_t) - log pi_old(o_t))   (--distill-coef lambda, --teacher)
+    A_i,t     = A_i + lambda (log pi_teacher(o_t) - log pi_old(o_t))   (--distill-coef lambda, --teacher,
+                                                                        --distill-divergence sampled)
     rho_t     = pi_theta(o_t) / pi_old(o_t)
     policy_t  = -min(rho_t * A_i,t, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i,t)
                 (--policy-loss cispo: -sg(clip(rho_t, ...)) * A_i,t * log pi_theta(o_t);
                  sapo: -(4 / tau) * sigmoid(tau * (rho_t - 1)) * A_i,t)
     kl_t      = k1 | k2 | k3 estimate of KL(pi_theta || pi_ref)   (or in the reward: r_i - beta sum_t k1_t)
     H_t       = entropy of pi_theta at the token's position (the full distribution)
-    loss      = aggregate(policy_t + beta * kl_t - c * H_t)  over the batch's reply tokens
+    fkl_t     = KL(pi_teacher || pi_theta) at the token's position, over the teacher's top-k tokens and the rest
+                (--distill-divergence forward, --algo distill's)
+    loss      = aggregate(policy_t + beta * kl_t - c * H_t + lambda * fkl_t)  over the batch's reply tokens
                 (nanochat | token | sequence | constant)
-The code reads top to bottom in the order a step runs; below the banner, the run's plumbing."""
+The code reads top to bottom in the order a step runs; below the banner, the flags and the run's plumbing."""
 import os
 
 # A small model's ops take microseconds each, inside OpenMP parallel regions whose threads wait for one another at
@@ -66,6 +69,590 @@ from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Tokenizer, atomic_sa
                    master_weights, nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
 from tasks import GraderError, build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
+
+# -----------------------------------------------------------------------------
+# The objective: small functions on plain tensors, each term in exactly one place (the few that all-reduce over
+# the ranks, which every rank must then call, say so)
+
+def group_advantages(rewards, kind, eps=1e-4):
+    """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group (kind "batch": an
+    all-reduce over the ranks)."""
+    G = rewards.size(1)
+    if kind == "none":  # the reward teaches nothing (--algo distill: the teacher does, per token, in objective)
+        return torch.zeros_like(rewards)
+    # An all-equal group has exactly 0 advantages under every kind, never rounding noise divided by a tiny std.
+    centered = torch.where(equal_groups(rewards)[:, None], 0.0, rewards - rewards.mean(dim=1, keepdim=True))
+    if kind == "mean":
+        return centered
+    if kind == "rloo":  # RLOO: baseline = mean of the other G - 1 rewards, i.e. G / (G - 1) * (r_i - mean(r))
+        return centered * (G / (G - 1))
+    if kind == "batch":  # group mean, / the std of the whole step's raw rewards over all ranks (Lite PPO; TRL's
+        # scale_rewards="batch"). REINFORCE++-baseline divides by the std of the centred advantages instead.
+        return centered / (std_over_ranks(rewards) + eps)
+    # z-score, with the unbiased std (as the common GRPO implementations)
+    return centered / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def term_advantages(reward_parts, weights, eps=1e-4):
+    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
+    (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
+    would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
+    ranks (an all-reduce). reward_parts [P, G, K] -> [P, G]."""
+    summed = sum(w * group_advantages(reward_parts[..., k], "zscore") for k, w in enumerate(weights))
+    return summed / (std_over_ranks(summed) + eps)
+
+
+def std_over_ranks(values):
+    """The unbiased std of these values over the step's replies on all ranks (one all-reduce)."""
+    count, total, squares = all_reduce(torch.stack([torch.tensor(values.numel(), dtype=torch.float64,
+                                                                 device=values.device),
+                                                    values.double().sum(), values.double().square().sum()]))
+    return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+
+
+def sequence_log_ratio(log_ratio, loss_mask):
+    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its exponential
+    is the length-normalised ratio of the whole reply's likelihood; its gradient reaches every token of the reply."""
+    return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
+    """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
+    advantages [B, 1] -> (loss, clipped), shaped like log_ratio. With pi_old = pi_theta detached the ratio is
+    exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
+    # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
+    # direction the advantage pushes it.
+    loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
+    if clip_c is not None:  # dual clip (Ye et al. 2020): with A < 0 a huge ratio costs at most -C * A
+        dual = (advantages < 0) & (loss > -clip_c * advantages)
+        loss, was_clipped = torch.where(dual, -clip_c * advantages, loss), was_clipped | dual
+    return loss, was_clipped
+
+
+def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, its eq. 4): the importance weight rho is clipped and detached, and
+    every token keeps the gradient A * weight * grad(log pi), however far its ratio has moved (PPO's clip drops the
+    token instead). logprobs, log_ratio [B, T]; advantages [B, 1] -> (loss, clipped). With rho = 1 (pi_old =
+    pi_theta): -A log pi, whose gradient is plain REINFORCE's."""
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
+    """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
+    tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
+    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
+    -> (loss, clipped: nothing is, all False)."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
+    return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator):
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens [B, T]: its value. Its gradient is taken
+    with the tokens held fixed, though they were drawn from pi_theta; in expectation over o ~ pi_theta, with
+    d = log pi(o) - log pi_ref(o) and E[f(o) grad log pi(o)] = sum_o f(o) grad pi(o):
+      k1 = d:                     grad d = grad log pi, whose expectation is sum_o grad pi(o) = 0; so k1 carries the
+                                  score-function term d grad log pi instead (its value stays d): the gradient of
+                                  KL(pi_theta || pi_ref) = sum_o grad pi(o) d(o)
+      k2 = d^2 / 2:               d grad log pi, the same: the gradient of KL(pi_theta || pi_ref)
+      k3 = e^-d + d - 1 (DeepSeekMath): (1 - pi_ref / pi) grad log pi, whose expectation is
+                                  -sum_o pi_ref(o) grad log pi(o): the gradient of KL(pi_ref || pi_theta), the
+                                  forward KL, though its value estimates the reverse one without bias
+    Per position: the prefix's own probability is not differentiated (the reward placement's sum over the reply
+    is)."""
+    log_ratio = logprobs - ref_logprobs  # d = log(pi_theta / pi_ref)
+    if estimator == "k1":
+        return log_ratio.detach() * (1 + logprobs - logprobs.detach())  # value d, gradient d grad log pi
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return torch.exp(-log_ratio) + log_ratio - 1  # k3: always >= 0
+
+
+@torch.no_grad()
+def kl_reward_penalty(old_logprobs, ref_logprobs, sampled_mask, kl_coef):
+    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over every token the policy
+    sampled ([N, T] -> [N]; also in a reply that --mask-truncated or --drop-equal-groups leave out of the loss: it
+    still counts in its group's mean and std), to subtract from its reward before the advantages (detached: a
+    reward, not a loss term). Through the policy term its expected gradient is beta x that of KL(pi_theta ||
+    pi_ref) of whole replies, the unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it
+    like any reward, so an all-equal group's advantages are the spread of its KLs: beta-sized under mean and rloo,
+    / the step's std under batch, unit-sized under zscore (docs/algorithm.md)."""
+    return kl_coef * ((old_logprobs - ref_logprobs) * sampled_mask).sum(dim=1)
+
+
+# The aggregation: the per-token losses of a minibatch -> one number, the same on any number of ranks and
+# micro-batches. loss_denominator counts (over ranks: summed); aggregate divides each micro-batch's share. nanochat's
+# aggregation is its RL loss: a question's G replies are taken in passes (nanochat's device batch, here
+# --pass-size), each pass's summed loss is divided by the pass's tokens, and the passes are averaged; so its
+# denominator is per row (pass_normalisers x the minibatch's replies: micro_batch_denominator).
+
+def pass_normalisers(loss_mask, G, pass_size):
+    """nanochat's aggregation: loss_mask [N, T] -> [N]: per row, its pass's tokens x the question's passes / G, so
+    that each reply's sum divided by this, averaged over all replies, is nanochat's loss (when pass_size divides G:
+    the mean reply length of the pass)."""
+    N = loss_mask.size(0)
+    passes = -(-G // pass_size)  # per question
+    row = torch.arange(N, device=loss_mask.device)
+    pass_of_row = row // G * passes + row % G // pass_size  # [N]
+    tokens = torch.zeros(N // G * passes, device=loss_mask.device).index_add_(0, pass_of_row, loss_mask.sum(dim=1))
+    return tokens.clamp(min=1)[pass_of_row] * (passes / G)  # an empty pass: nanochat's max(1, tokens), its loss is 0
+
+
+def loss_denominator(loss_mask, kind, max_new_tokens):
+    """This rank's share of the aggregation's denominator; summed over ranks before use."""
+    if kind == "token":
+        return loss_mask.sum()  # reply tokens (DAPO)
+    if kind == "sequence":
+        return (loss_mask.sum(dim=1) > 0).sum()  # replies with at least one token in the loss (GRPO paper)
+    if kind == "nanochat":
+        return torch.tensor(loss_mask.size(0), device=loss_mask.device)  # replies, an empty pass's too (nanochat)
+    return torch.tensor(loss_mask.size(0) * max_new_tokens, device=loss_mask.device)  # a constant (Dr. GRPO)
+
+
+def micro_batch_denominator(denominator, mb, kind):
+    """The minibatch's denominator (loss_denominator summed over ranks) as aggregate takes it for this micro-batch:
+    for nanochat's aggregation, per row, times the row's pass normaliser [R, 1]."""
+    return denominator * mb["pass_normalisers"][:, None] if kind == "nanochat" else denominator
+
+
+def aggregate(per_token, loss_mask, kind, denominator):
+    """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of the batch mean. Summing the shares
+    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size."""
+    summed = per_token * loss_mask
+    if kind == "sequence":  # each reply's own token mean first
+        summed = summed / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+    if kind == "nanochat":
+        return (summed / denominator).sum()
+    return summed.sum() / denominator
+
+
+def rollout_weights(sampler_gap, kind, cap):
+    """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
+    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
+    else 0."""
+    ratio = torch.exp(sampler_gap)
+    return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
+
+
+def forward_kl(student, teacher):
+    """KL(pi_teacher || pi_theta) at each position, over the teacher's top-k tokens and one bucket for the mass of
+    all the others (GKD's forward KL, on the student's own prefixes; exact when k covers the vocabulary):
+        sum_v p_T(v) (log p_T(v) - log p_theta(v)) + p_T(rest) (log p_T(rest) - log p_theta(rest)).
+    Its gradient, -sum_v p_T(v) grad log p_theta(v) (and the bucket's), pulls up every token the teacher likes, in
+    proportion to the teacher's probability: also those the student does not yet sample (the sampled reverse KL's
+    pull on a token is proportional to the student's own probability of it). student, teacher: (log-probs at the
+    teacher's top-k [B, T, k], log-mass of the rest [B, T] or None) -> [B, T]."""
+    (student_top, student_rest), (teacher_top, teacher_rest) = student, teacher
+    p = teacher_top.exp()
+    kl = (torch.xlogy(p, p) - p * student_top).sum(dim=-1)  # xlogy: 0 log 0 = 0
+    if teacher_rest is not None:
+        p_rest = teacher_rest.exp()
+        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * student_rest
+    return kl
+
+
+def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, args, student_top=None):
+    """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
+    the gradient; frozen holds the log-probs that do not: "old" (pi_old), "sampler" (as drawn), "ref" (None: no KL)
+    and "teacher" (None: no distillation; with --distill-divergence forward the teacher's top-k log-probs and rest,
+    and student_top the student's at the same tokens, with the gradient); advantages [B, 1]. -> (loss, its parts
+    for the statistics)"""
+    # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
+    # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
+    keep = loss_mask > 0
+    logprobs = torch.where(keep, logprobs, 0.0)
+    old, sampler, ref, teacher = (torch.where(keep, frozen[k], 0.0) if torch.is_tensor(frozen[k]) else frozen[k]
+                                  for k in ("old", "sampler", "ref", "teacher"))
+    parts = {}
+    if teacher is not None and student_top is None:
+        # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
+        # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
+        # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
+        # (docs/algorithm.md). Added to the reply's group advantage, so reward and teacher can teach together.
+        parts["teacher_kl"] = old - teacher  # [B, T], the sampled reverse KL
+        advantages = advantages - args.distill_coef * parts["teacher_kl"]  # [B, 1] -> [B, T]
+    log_ratio = logprobs - old  # [B, T]
+    if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
+        log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
+    if args.policy_loss == "cispo":  # clip the weight
+        policy, clipped = cispo_policy_loss(logprobs, log_ratio, advantages, args.clip_eps, args.clip_eps_high)
+    elif args.policy_loss == "sapo":  # a soft gate
+        policy, clipped = sapo_policy_loss(log_ratio, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
+    else:  # clip the ratio
+        policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high,
+                                              args.clip_ratio_c)
+    sampler_gap = old - sampler  # log pi_old - log pi_sampler, [B, T]
+    if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
+        # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
+        gap = sequence_log_ratio(sampler_gap, loss_mask) if args.ratio_level == "sequence" else sampler_gap
+        policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
+    loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
+    parts.update(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
+                 sampler_gap=sampler_gap)
+    loss = loss_policy
+    if ref is not None:
+        kl = kl_penalty(logprobs, ref, args.kl_estimator)
+        if args.kl_placement == "reward":  # it is in the advantages already (kl_reward_penalty): logged only
+            kl = kl.detach()
+        parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
+        if args.kl_placement == "loss":
+            loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
+    if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
+        loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
+    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
+        teacher_kl = forward_kl(student_top, teacher) * keep  # [B, T]
+        parts["teacher_kl"] = teacher_kl.detach()
+        loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
+    return loss, parts
+
+
+# -----------------------------------------------------------------------------
+# Sampling and scoring groups
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
+    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
+    """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), the task's reward
+    terms [P, G, terms], and [P, G] task_rewards (the terms, weighted), penalty (shaping, 0 when off) and rewards,
+    their sum: the one reward advantages are built from."""
+    G = args.num_samples
+    conversations = [task[i] for i in indices]
+    prompts = [tokenizer.render_for_completion(c) for c in conversations]
+    # --sample-batch-size: questions a generate call, whole groups (their prompt is prefilled once). Each question's
+    # noise comes from its own seed, so how they are split changes nothing but memory.
+    per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
+    with autocast:
+        chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
+                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode)
+                  for i in range(0, len(prompts), per_call)]
+    samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
+    terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
+        task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
+        for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
+    task_rewards = sum(weight * terms[..., task.reward_terms.index(name)]  # [P, G]
+                       for name, weight in args.reward_weights.items())
+    penalty = torch.zeros_like(task_rewards)
+    if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
+        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+    # [P, G, weighted terms + 1]: the terms --reward-weights combines, then the shaping penalty (weight 1)
+    reward_parts = torch.stack([terms[..., task.reward_terms.index(name)] for name in args.reward_weights]
+                               + [penalty], dim=-1)
+    return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
+                task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
+
+
+def equal_groups(rewards, reward_parts=None):
+    """rewards [P, G] -> [P] bool: the groups whose replies all got the same reward. Their advantages are 0. With
+    reward_parts [P, G, terms] (--reward-combination normalize-then-sum, whose advantages come from each term): the
+    groups in which every term is equal; an equal sum of unequal terms still teaches there."""
+    if reward_parts is not None:
+        return (reward_parts.amax(dim=1) == reward_parts.amin(dim=1)).all(dim=-1)
+    return rewards.max(dim=1).values == rewards.min(dim=1).values
+
+
+def signal_less_groups(groups, args):
+    """[P] bool: the sampled groups whose advantages are 0 (equal_groups, by the run's reward combination)."""
+    return equal_groups(groups["rewards"], groups["reward_parts"] if args.reward_combination != "sum" else None)
+
+
+def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
+    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
+    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
+    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
+    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
+    "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
+    policy's own reward in the log, and the lengths of all their replies; rounds)"""
+    wanted, G = len(first["prompts"]), args.num_samples
+    parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
+    while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
+        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
+        indices = draw.sample(range(len(task)), min(wanted, len(task)))
+        seeds = [draw.getrandbits(62) for _ in indices]
+        parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
+        differing.append(~signal_less_groups(parts[-1], args))
+    kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
+            for g in range(len(d)) if bool(d[g]) == want][:wanted]
+    groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
+    samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
+    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
+    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
+    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
+
+
+# -----------------------------------------------------------------------------
+# One step of training: the batch, the frozen log-probs, the update
+
+def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
+    """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
+    padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
+    The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
+    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device.
+    static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come).
+    reward_parts [P, G, terms + 1] (sample_groups): for --reward-combination normalize-then-sum. Every rank builds
+    its batch: the advantages may all-reduce (--advantage batch, normalize-then-sum)."""
+    G = args.num_samples
+    lengths = samples["lengths"].tolist()
+    widths = [len(prompts[row // G]) + lengths[row] - 1 for row in range(len(lengths))]  # input tokens per row
+    T = max(widths)
+    tokens, mask, logprobs = (samples[k].tolist() for k in ("tokens", "mask", "logprobs"))  # one copy each, not per row
+    rows = dict(input_ids=[], target_ids=[], loss_mask=[], sampler_logprobs=[])  # sampler: log pi_sampler, as drawn
+    for row, length in enumerate(lengths):
+        prompt = prompts[row // G]
+        sequence = prompt + tokens[row][:length]
+        before, after = [0] * (len(prompt) - 1), [0] * (T + 1 - len(sequence))  # prompt positions, right padding
+        rows["input_ids"].append(sequence[:-1] + after)
+        rows["target_ids"].append(sequence[1:] + after)
+        rows["loss_mask"].append(before + mask[row][:length] + after)
+        rows["sampler_logprobs"].append(before + logprobs[row][:length] + after)
+    input_ids, target_ids = torch.tensor(rows["input_ids"]), torch.tensor(rows["target_ids"])  # [N, T]
+    sampled_mask = torch.tensor(rows["loss_mask"], dtype=torch.float32)  # every token the policy sampled
+    sampler_logprobs = torch.tensor(rows["sampler_logprobs"], dtype=torch.float32)
+    equal = equal_groups(rewards, reward_parts if args.reward_combination != "sum" else None)  # [P]
+    loss_mask = sampled_mask.clone()
+    if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
+        loss_mask *= (~equal).repeat_interleave(G)[:, None]
+    if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
+        loss_mask *= (~samples["truncated"])[:, None]
+    if args.reward_combination == "sum":
+        advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
+    else:
+        advantages = term_advantages(reward_parts, list(args.reward_weights.values()) + [1.0]).flatten()
+    batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, sampled_mask=sampled_mask,
+                 advantages=advantages, sampler_logprobs=sampler_logprobs, rewards=rewards,
+                 equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
+    if args.aggregation == "nanochat":
+        batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
+    batch["micro_batches"], batch["minibatch_totals"], batch["row_minibatch"] = plan_micro_batches(batch, args,
+                                                                                                  static)
+    return batch
+
+
+def plan_micro_batches(batch, args, static=None):
+    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
+    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
+    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
+    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
+    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
+    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
+    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
+    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
+    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
+    widths = batch["widths"].tolist()
+    N, G = len(widths), args.num_samples
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
+    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
+    micro_batches, totals = [], []
+    for j in range(args.num_minibatches):
+        rows = [r for r in range(N) if row_minibatch[r] == j]
+        mask = batch["loss_mask"][rows]
+        totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
+        if args.pack and args.device_batch_size is None:
+            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
+        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
+            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
+            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
+        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
+    return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
+
+
+def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
+    """A micro-batch's log-probs (and entropies; and with top_ids, a teacher's top-k ids in the pass's layout, the
+    log-probs of those tokens and of the rest) in its rows' layout, [R, width, ...]: a packed pass runs as one
+    sequence, and each row's tokens are taken back out of it. The entropies carry a gradient only where the loss
+    has the entropy bonus; else they are only logged."""
+    out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
+                             positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0,
+                             top_ids=top_ids)
+    return tuple(in_rows(t, mb) for t in out) if isinstance(out, tuple) else in_rows(out, mb)
+
+
+@torch.no_grad()
+def frozen_logprobs(net, micro_batches, args, autocast):
+    """Log-probs of the micro-batches under a net that does not train (pi_old, pi_ref): one [R, width] each."""
+    with autocast:
+        return [logprobs_of(net, mb, args) for mb in micro_batches]
+
+
+def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
+    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
+    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
+    teacher: --distill-coef's frozen teacher."""
+    micro_batches = batch["micro_batches"]
+    start = time.time()
+    old_logprobs, ref_logprobs, teacher_logprobs = frozen_terms(model, batch, args, autocast, ref_model, teacher)
+    if ref_model is not None and args.kl_placement == "reward":  # the KL as a reward: the advantages made anew
+        batch["advantages"] = kl_reward_advantages(batch, old_logprobs, ref_logprobs, args)
+    time_logprobs = time.time() - start
+    advantages = batch["advantages"][:, None]  # [N, 1]
+    # every minibatch's loss denominator, policy tokens and tokens with a non-zero advantage, summed over ranks: one
+    # read from the device per update
+    totals = all_reduce(torch.cat([batch["minibatch_totals"].to(advantages.device),
+                                   signal_tokens(batch, args)], dim=1)).tolist()
+    stats = update_stats(advantages.device)
+    stepped = False  # until the batch's first optimizer step pi_old is pi_theta: rho = 1 exactly, nothing clips
+    model.train()
+    for _ in range(args.ppo_epochs):
+        for j, (denominator, tokens, tokens_with_advantage) in enumerate(totals):
+            if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
+                stats["empty_updates"] += 1
+                continue
+            # No policy signal (every advantage 0, no entropy bonus, no teacher): the step a KL-free run takes, on a
+            # zero gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
+            # which normalise a step's scale, would turn it into a full step away from the reference
+            # (docs/algorithm.md). Its forward still runs, without a graph: pi_old and the logged terms.
+            learns = tokens_with_advantage > 0 or args.entropy_coef > 0 or teacher is not None
+            stats["no_signal_updates"] += not learns
+            minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
+            for i in (i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j):
+                mb = micro_batches[i]
+                with autocast, torch.set_grad_enabled(learns):
+                    loss, parts, logprobs = micro_batch_loss(
+                        model, mb, old_logprobs[i] if stepped else None, ref_logprobs[i], teacher_logprobs[i],
+                        advantages[mb["rows"]], micro_batch_denominator(denominator, mb, args.aggregation), args)
+                if not stepped:  # a pass before the first step: its own log-probs are pi_old, for the later epochs
+                    old_logprobs[i] = logprobs
+                if learns:
+                    loss.backward()
+                minibatch_loss += loss.detach()
+                add_micro_batch_stats(stats, loss, parts, mb["loss_mask"], stepped)
+            stepped |= minibatch_step(model, optimizers, stats, minibatch_loss, learns, args, owners)
+    return finish_update_stats(stats, args, with_kl=ref_model is not None, with_teacher=teacher is not None), \
+        time_logprobs
+
+
+def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, advantages, denominator, args):
+    """One forward pass of the update: the micro-batch's log-probs under the policy, and its share of the loss
+    (objective). old_logprobs None: pi_old is the policy itself (rho = 1). -> (loss, parts, log-probs [R, width],
+    detached). The start-up self-check runs its fast and plain paths through this too."""
+    forward = isinstance(teacher_logprobs, dict)  # --distill-divergence forward: the student at the teacher's top-k
+    logprobs, entropy, *student_top = logprobs_of(model, mb, args, with_entropy=True,
+                                                  top_ids=teacher_logprobs["ids"] if forward else None)
+    frozen = dict(old=logprobs.detach() if old_logprobs is None else old_logprobs, sampler=mb["sampler_logprobs"],
+                  ref=ref_logprobs, teacher=teacher_logprobs["logprobs"] if forward else teacher_logprobs)
+    loss, parts = objective(logprobs, entropy, frozen, advantages, mb["loss_mask"], denominator, args,
+                            student_top or None)
+    return loss, parts, logprobs.detach()
+
+
+def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
+    """The update's frozen log-probs, one [R, width] per micro-batch (None where not taken): pi_old where a pass
+    needs it before its own forward, pi_ref and the teacher's -> (old, ref, teacher)."""
+    micro_batches = batch["micro_batches"]
+    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
+    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
+    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
+    # all of them when the KL is a reward term, which needs pi_old before the advantages.
+    kl_in_reward = ref_model is not None and args.kl_placement == "reward"
+    # pi_old: also filled in by the update
+    old_logprobs, ref_logprobs, teacher_logprobs = ([None] * len(micro_batches) for _ in range(3))
+    later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
+    for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
+        old_logprobs[i] = logprobs
+    device = batch["advantages"].device
+    if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
+        with ref_model.lora_disabled(), on_device(ref_model, device) if args.ref_offload else nullcontext():
+            ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
+    if teacher is not None:  # on the same passes
+        with on_device(teacher, device) if args.teacher_offload else nullcontext():
+            if args.distill_divergence == "forward":
+                with autocast:
+                    teacher_logprobs = [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+            else:
+                teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
+    return old_logprobs, ref_logprobs, teacher_logprobs
+
+
+def kl_reward_advantages(batch, old_logprobs, ref_logprobs, args):
+    """--kl-placement reward: the group-relative advantages of r_i - beta sum_t k1_t (kl_reward_penalty) -> [N]."""
+    penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
+    for mb, old, ref in zip(batch["micro_batches"], old_logprobs, ref_logprobs):
+        penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
+    rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
+    return group_advantages(rewards, args.advantage).flatten()
+
+
+def minibatch_step(model, optimizers, stats, minibatch_loss, learns, args, owners):
+    """A minibatch's optimizer step, after its backward passes: on a zero gradient without policy signal, on the
+    gradients summed over ranks (each rank's loss is its share of the global mean), never on a non-finite loss.
+    -> whether the weights stepped (from then on pi_theta differs from pi_old: ratios can clip)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not learns:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+    reduce_gradients(trainable, owners)
+    stepped = bool(torch.isfinite(all_reduce(minibatch_loss.clone())))
+    if stepped:
+        optimizer_step(model, optimizers, stats, args.grad_clip, owners)
+    stats["skipped_updates"] += not stepped  # a non-finite loss: the weights stay as they were
+    model.zero_grad(set_to_none=True)
+    return stepped
+
+
+def signal_tokens(batch, args):
+    """-> [num_minibatches, 1]: this rank's loss tokens whose reply has a non-zero advantage, per minibatch."""
+    advantages = batch["advantages"]
+    per_row = batch["loss_mask"].sum(dim=1) * (advantages != 0)  # [N]
+    return torch.zeros(args.num_minibatches, 1, dtype=torch.float64, device=advantages.device).index_add_(
+        0, batch["row_minibatch"], per_row.double()[:, None])
+
+
+def reset_reference(model, ref_model, optimizers, step, args):
+    """DeepSeekMath's iterative variant: the reference moves to the current policy every --ref-reset-every steps."""
+    if args.lora_rank:  # the reference is the base: fold the adapters into it and restart them, Adam's moments too
+        model.merge_lora(seed=args.seed + step)
+        optimizers[0].state.clear()
+    else:
+        ref_model.load_state_dict(model.state_dict())
+
+
+def train(args, run):
+    """The step loop: sample -> score -> advantages -> batch -> update -> end of step. `run` holds what the
+    plumbing below the banner set up: the model, its reference and optimizers, the tasks, device and run folder."""
+    model, ref_model, tokenizer, task = run.model, run.ref_model, run.tokenizer, run.train_task
+    for step in range(run.start_step, args.num_steps):
+        step_start = time.time()
+        lr_multiplier = set_learning_rates(run.optimizers, step, args)
+        if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
+            reset_reference(model, ref_model, run.optimizers, step, args)
+
+        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
+        model.eval()
+        indices = prompt_indices(step, run.rank, run.world_size, args, len(task))
+        seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
+        groups = sample_groups(model, tokenizer, task, indices, seeds, args, run.autocast)
+        rounds = 1
+        if args.dynamic_sampling:
+            groups, rounds = dynamic_sampling(groups, model, tokenizer, task, step, run.rank, args, run.autocast)
+        time_sample = time.time() - step_start
+
+        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
+        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack,
+                                     groups["reward_parts"]), run.device)
+        update_start = time.time()
+        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners,
+                                             run.teacher)
+
+        # 6. Log, check, evaluate, save.
+        times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
+                     time_update=time.time() - update_start - time_logprobs)
+        end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start)
+
+
+# =============================================================================
+# The run's plumbing: the flags and presets, the whole-config checks, devices and processes, the start
+# policy and its optimizers, the run folder (lock, config, metrics, checkpoints, resume, one-line stops),
+# evaluation, distributed helpers and --compare. Nothing above needs to be read to follow the algorithm.
+# =============================================================================
 
 # -----------------------------------------------------------------------------
 # Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
@@ -342,576 +929,8 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
             save_every=250, device="cpu")
 
 
-# -----------------------------------------------------------------------------
-# The objective: small pure functions on plain tensors, each term in exactly one place
-
-def group_advantages(rewards, kind, eps=1e-4):
-    """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group."""
-    G = rewards.size(1)
-    if kind == "none":  # the reward teaches nothing (--algo distill: the teacher does, per token, in objective)
-        return torch.zeros_like(rewards)
-    # An all-equal group has exactly 0 advantages under every kind, never rounding noise divided by a tiny std.
-    centered = torch.where(equal_groups(rewards)[:, None], 0.0, rewards - rewards.mean(dim=1, keepdim=True))
-    if kind == "mean":
-        return centered
-    if kind == "rloo":  # RLOO: baseline = mean of the other G - 1 rewards, i.e. G / (G - 1) * (r_i - mean(r))
-        return centered * (G / (G - 1))
-    if kind == "batch":  # group mean, / the std of the whole step's raw rewards over all ranks (Lite PPO; TRL's
-        # scale_rewards="batch"). REINFORCE++-baseline divides by the std of the centred advantages instead.
-        return centered / (step_std(rewards) + eps)
-    # z-score, with the unbiased std (as the common GRPO implementations)
-    return centered / (rewards.std(dim=1, keepdim=True) + eps)
-
-
-def term_advantages(reward_parts, weights, eps=1e-4):
-    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
-    (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
-    would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
-    ranks. reward_parts [P, G, K] -> [P, G]."""
-    summed = sum(w * group_advantages(reward_parts[..., k], "zscore") for k, w in enumerate(weights))
-    return summed / (step_std(summed) + eps)
-
-
-def step_std(values):
-    """The unbiased std of these values over the step's replies on all ranks (one all-reduce)."""
-    count, total, squares = all_reduce(torch.stack([torch.tensor(values.numel(), dtype=torch.float64,
-                                                                 device=values.device),
-                                                    values.double().sum(), values.double().square().sum()]))
-    return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
-
-
-def sequence_log_ratio(log_ratio, loss_mask):
-    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its exponential
-    is the length-normalised ratio of the whole reply's likelihood; its gradient reaches every token of the reply."""
-    return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
-
-
-def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
-    """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
-    advantages [B, 1] -> (loss, clipped), shaped like log_ratio. With pi_old = pi_theta detached the ratio is
-    exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
-    # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
-    # direction the advantage pushes it.
-    loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
-    if clip_c is not None:  # dual clip (Ye et al. 2020): with A < 0 a huge ratio costs at most -C * A
-        dual = (advantages < 0) & (loss > -clip_c * advantages)
-        loss, was_clipped = torch.where(dual, -clip_c * advantages, loss), was_clipped | dual
-    return loss, was_clipped
-
-
-def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, its eq. 4): the importance weight rho is clipped and detached, and
-    every token keeps the gradient A * weight * grad(log pi), however far its ratio has moved (PPO's clip drops the
-    token instead). logprobs, log_ratio [B, T]; advantages [B, 1] -> (loss, clipped). With rho = 1 (pi_old =
-    pi_theta): -A log pi, whose gradient is plain REINFORCE's."""
-    ratio = torch.exp(log_ratio.detach())
-    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    return -weight * advantages * logprobs, weight != ratio
-
-
-def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
-    """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
-    tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
-    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
-    -> (loss, clipped: nothing is, all False)."""
-    tau = torch.where(advantages > 0, tau_pos, tau_neg)
-    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
-    return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
-
-
-def kl_penalty(logprobs, ref_logprobs, estimator):
-    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens [B, T]: its value. Its gradient is taken
-    with the tokens held fixed, though they were drawn from pi_theta; in expectation over o ~ pi_theta, with
-    d = log pi(o) - log pi_ref(o) and E[f(o) grad log pi(o)] = sum_o f(o) grad pi(o):
-      k1 = d:                     grad d = grad log pi, whose expectation is sum_o grad pi(o) = 0; so k1 carries the
-                                  score-function term d grad log pi instead (its value stays d): the gradient of
-                                  KL(pi_theta || pi_ref) = sum_o grad pi(o) d(o)
-      k2 = d^2 / 2:               d grad log pi, the same: the gradient of KL(pi_theta || pi_ref)
-      k3 = e^-d + d - 1 (DeepSeekMath): (1 - pi_ref / pi) grad log pi, whose expectation is
-                                  -sum_o pi_ref(o) grad log pi(o): the gradient of KL(pi_ref || pi_theta), the
-                                  forward KL, though its value estimates the reverse one without bias
-    Per position: the prefix's own probability is not differentiated (the reward placement's sum over the reply
-    is)."""
-    log_ratio = logprobs - ref_logprobs  # d = log(pi_theta / pi_ref)
-    if estimator == "k1":
-        return log_ratio.detach() * (1 + logprobs - logprobs.detach())  # value d, gradient d grad log pi
-    if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    return torch.exp(-log_ratio) + log_ratio - 1  # k3: always >= 0
-
-
-@torch.no_grad()
-def kl_reward_penalty(old_logprobs, ref_logprobs, sampled_mask, kl_coef):
-    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over every token the policy
-    sampled ([N, T] -> [N]; also in a reply that --mask-truncated or --drop-equal-groups leave out of the loss: it
-    still counts in its group's mean and std), to subtract from its reward before the advantages (detached: a
-    reward, not a loss term). Through the policy term its expected gradient is beta x that of KL(pi_theta ||
-    pi_ref) of whole replies, the unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it
-    like any reward, so an all-equal group's advantages are the spread of its KLs: beta-sized under mean and rloo,
-    / the step's std under batch, unit-sized under zscore (docs/algorithm.md)."""
-    return kl_coef * ((old_logprobs - ref_logprobs) * sampled_mask).sum(dim=1)
-
-
-def pass_normalisers(loss_mask, G, pass_size):
-    """nanochat's RL loss: a question's G replies are taken in passes (nanochat's device batch, here --pass-size),
-    each pass's summed loss is divided by the pass's tokens, and the passes are averaged. loss_mask [N, T] -> [N]:
-    per row, its pass's tokens x the question's passes / G, so that each reply's sum divided by this, averaged over
-    all replies, is that loss (when pass_size divides G: the mean reply length of the pass)."""
-    N = loss_mask.size(0)
-    passes = -(-G // pass_size)  # per question
-    row = torch.arange(N, device=loss_mask.device)
-    pass_of_row = row // G * passes + row % G // pass_size  # [N]
-    tokens = torch.zeros(N // G * passes, device=loss_mask.device).index_add_(0, pass_of_row, loss_mask.sum(dim=1))
-    return tokens.clamp(min=1)[pass_of_row] * (passes / G)  # an empty pass: nanochat's max(1, tokens), its loss is 0
-
-
-def aggregation_count(loss_mask, kind, max_new_tokens):
-    """This rank's share of the aggregation's denominator; summed over ranks before use."""
-    if kind == "token":
-        return loss_mask.sum()  # reply tokens (DAPO)
-    if kind == "sequence":
-        return (loss_mask.sum(dim=1) > 0).sum()  # replies with at least one token in the loss (GRPO paper)
-    if kind == "nanochat":
-        return torch.tensor(loss_mask.size(0), device=loss_mask.device)  # replies, an empty pass's too (nanochat)
-    return torch.tensor(loss_mask.size(0) * max_new_tokens, device=loss_mask.device)  # a constant (Dr. GRPO)
-
-
-def aggregate(per_token, loss_mask, kind, denominator):
-    """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of the batch mean. Summing the shares
-    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size. denominator: the
-    count above summed over ranks; for nanochat's aggregation times each row's pass normaliser, [B, 1]."""
-    summed = per_token * loss_mask
-    if kind == "sequence":  # each reply's own token mean first
-        summed = summed / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
-    if kind == "nanochat":
-        return (summed / denominator).sum()
-    return summed.sum() / denominator
-
-
-def rollout_weights(sampler_gap, kind, cap):
-    """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
-    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
-    else 0."""
-    ratio = torch.exp(sampler_gap)
-    return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
-
-
-def forward_kl(student, teacher):
-    """KL(pi_teacher || pi_theta) at each position, over the teacher's top-k tokens and one bucket for the mass of
-    all the others (GKD's forward KL, on the student's own prefixes; exact when k covers the vocabulary):
-        sum_v p_T(v) (log p_T(v) - log p_theta(v)) + p_T(rest) (log p_T(rest) - log p_theta(rest)).
-    Its gradient, -sum_v p_T(v) grad log p_theta(v) (and the bucket's), pulls up every token the teacher likes, in
-    proportion to the teacher's probability: also those the student does not yet sample (the sampled reverse KL's
-    pull on a token is proportional to the student's own probability of it). student, teacher: (log-probs at the
-    teacher's top-k [B, T, k], log-mass of the rest [B, T] or None) -> [B, T]."""
-    (student_top, student_rest), (teacher_top, teacher_rest) = student, teacher
-    p = teacher_top.exp()
-    kl = (torch.xlogy(p, p) - p * student_top).sum(dim=-1)  # xlogy: 0 log 0 = 0
-    if teacher_rest is not None:
-        p_rest = teacher_rest.exp()
-        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * student_rest
-    return kl
-
-
-def objective(logprobs, entropy, old_logprobs, ref_logprobs, sampler_logprobs, advantages, loss_mask, denominator,
-              args, teacher_logprobs=None, student_top=None):
-    """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
-    the gradient; old_logprobs, ref_logprobs (None: no KL), sampler_logprobs and teacher_logprobs (None: no
-    distillation; with --distill-divergence forward the teacher's top-k log-probs and rest, and student_top the
-    student's at the same tokens, with the gradient) are frozen; advantages [B, 1]. -> (loss, its parts for the
-    statistics)"""
-    # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
-    # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
-    keep = loss_mask > 0
-    logprobs = torch.where(keep, logprobs, 0.0)
-    old = torch.where(keep, old_logprobs, 0.0)
-    parts = {}
-    if teacher_logprobs is not None and student_top is None:
-        # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
-        # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
-        # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
-        # (docs/algorithm.md). Added to the reply's group advantage, so reward and teacher can teach together.
-        parts["teacher_kl"] = old - torch.where(keep, teacher_logprobs, 0.0)  # [B, T], the sampled reverse KL
-        advantages = advantages - args.distill_coef * parts["teacher_kl"]  # [B, 1] -> [B, T]
-    log_ratio = logprobs - old  # [B, T]
-    if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
-        log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
-    if args.policy_loss == "cispo":  # clip the weight
-        policy, clipped = cispo_policy_loss(logprobs, log_ratio, advantages, args.clip_eps, args.clip_eps_high)
-    elif args.policy_loss == "sapo":  # a soft gate
-        policy, clipped = sapo_policy_loss(log_ratio, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
-    else:  # clip the ratio
-        policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high,
-                                              args.clip_ratio_c)
-    sampler_gap = old - torch.where(keep, sampler_logprobs, 0.0)  # log pi_old - log pi_sampler, [B, T]
-    if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
-        # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
-        gap = sequence_log_ratio(sampler_gap, loss_mask) if args.ratio_level == "sequence" else sampler_gap
-        policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
-    loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    parts.update(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
-                 sampler_gap=sampler_gap)
-    loss = loss_policy
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, torch.where(keep, ref_logprobs, 0.0), args.kl_estimator)
-        if args.kl_placement == "reward":  # it is in the advantages already (kl_reward_penalty): logged only
-            kl = kl.detach()
-        parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
-        if args.kl_placement == "loss":
-            loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
-    if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
-        loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
-    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
-        teacher_kl = forward_kl(student_top, teacher_logprobs) * keep  # [B, T]
-        parts["teacher_kl"] = teacher_kl.detach()
-        loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
-    return loss, parts
-
-
-# -----------------------------------------------------------------------------
-# Sampling and scoring groups
-
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
-    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
-
-
-def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
-    """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), the task's reward
-    terms [P, G, terms], and [P, G] task_rewards (the terms, weighted), penalty (shaping, 0 when off) and rewards,
-    their sum: the one reward advantages are built from."""
-    G = args.num_samples
-    conversations = [task[i] for i in indices]
-    prompts = [tokenizer.render_for_completion(c) for c in conversations]
-    # --sample-batch-size: questions a generate call, whole groups (their prompt is prefilled once). Each question's
-    # noise comes from its own seed, so how they are split changes nothing but memory.
-    per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
-    with autocast:
-        chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode)
-                  for i in range(0, len(prompts), per_call)]
-    samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
-    terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
-        task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
-        for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
-    task_rewards = sum(weight * terms[..., task.reward_terms.index(name)]  # [P, G]
-                       for name, weight in args.reward_weights.items())
-    penalty = torch.zeros_like(task_rewards)
-    if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
-        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
-    # [P, G, weighted terms + 1]: the terms --reward-weights combines, then the shaping penalty (weight 1)
-    reward_parts = torch.stack([terms[..., task.reward_terms.index(name)] for name in args.reward_weights]
-                               + [penalty], dim=-1)
-    return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
-                task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
-
-
-def equal_groups(rewards, reward_parts=None):
-    """rewards [P, G] -> [P] bool: the groups whose replies all got the same reward. Their advantages are 0. With
-    reward_parts [P, G, terms] (--reward-combination normalize-then-sum, whose advantages come from each term): the
-    groups in which every term is equal; an equal sum of unequal terms still teaches there."""
-    if reward_parts is not None:
-        return (reward_parts.amax(dim=1) == reward_parts.amin(dim=1)).all(dim=-1)
-    return rewards.max(dim=1).values == rewards.min(dim=1).values
-
-
-def signal_less_groups(groups, args):
-    """[P] bool: the sampled groups whose advantages are 0 (equal_groups, by the run's reward combination)."""
-    return equal_groups(groups["rewards"], groups["reward_parts"] if args.reward_combination != "sum" else None)
-
-
-def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
-    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
-    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
-    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
-    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
-    "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
-    policy's own reward in the log, and the lengths of all their replies; rounds)"""
-    wanted, G = len(first["prompts"]), args.num_samples
-    parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
-    while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
-        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
-        indices = draw.sample(range(len(task)), min(wanted, len(task)))
-        seeds = [draw.getrandbits(62) for _ in indices]
-        parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
-        differing.append(~signal_less_groups(parts[-1], args))
-    kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
-            for g in range(len(d)) if bool(d[g]) == want][:wanted]
-    groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
-    samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
-    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
-    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
-    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
-
-
-# -----------------------------------------------------------------------------
-# One step of training: the batch, the frozen log-probs, the update
-
-def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
-    """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
-    padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
-    The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
-    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device.
-    static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come).
-    reward_parts [P, G, terms + 1] (sample_groups): for --reward-combination normalize-then-sum."""
-    G = args.num_samples
-    lengths = samples["lengths"].tolist()
-    widths = [len(prompts[row // G]) + lengths[row] - 1 for row in range(len(lengths))]  # input tokens per row
-    T = max(widths)
-    tokens, mask, logprobs = (samples[k].tolist() for k in ("tokens", "mask", "logprobs"))  # one copy each, not per row
-    rows = dict(input_ids=[], target_ids=[], loss_mask=[], sampler_logprobs=[])  # sampler: log pi_sampler, as drawn
-    for row, length in enumerate(lengths):
-        prompt = prompts[row // G]
-        sequence = prompt + tokens[row][:length]
-        before, after = [0] * (len(prompt) - 1), [0] * (T + 1 - len(sequence))  # prompt positions, right padding
-        rows["input_ids"].append(sequence[:-1] + after)
-        rows["target_ids"].append(sequence[1:] + after)
-        rows["loss_mask"].append(before + mask[row][:length] + after)
-        rows["sampler_logprobs"].append(before + logprobs[row][:length] + after)
-    input_ids, target_ids = torch.tensor(rows["input_ids"]), torch.tensor(rows["target_ids"])  # [N, T]
-    sampled_mask = torch.tensor(rows["loss_mask"], dtype=torch.float32)  # every token the policy sampled
-    sampler_logprobs = torch.tensor(rows["sampler_logprobs"], dtype=torch.float32)
-    equal = equal_groups(rewards, reward_parts if args.reward_combination != "sum" else None)  # [P]
-    loss_mask = sampled_mask.clone()
-    if args.drop_equal_groups:  # they carry no signal (A = 0) but would still count in the normaliser
-        loss_mask *= (~equal).repeat_interleave(G)[:, None]
-    if args.mask_truncated:  # overlong filtering: a cut-off reply is not judged on its missing ending
-        loss_mask *= (~samples["truncated"])[:, None]
-    if args.reward_combination == "sum":
-        advantages = group_advantages(rewards, args.advantage).flatten()  # [N]
-    else:
-        advantages = term_advantages(reward_parts, list(args.reward_weights.values()) + [1.0]).flatten()
-    batch = dict(input_ids=input_ids, target_ids=target_ids, loss_mask=loss_mask, sampled_mask=sampled_mask,
-                 advantages=advantages, sampler_logprobs=sampler_logprobs, rewards=rewards,
-                 equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
-    if args.aggregation == "nanochat":
-        batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
-    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = plan_micro_batches(batch, args,
-                                                                                                  static)
-    return batch
-
-
-def plan_micro_batches(batch, args, static=None):
-    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] aggregation count and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
-    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
-    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
-    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
-    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
-    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
-    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
-    widths = batch["widths"].tolist()
-    N, G = len(widths), args.num_samples
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
-    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
-    micro_batches, counts = [], []
-    for j in range(args.num_minibatches):
-        rows = [r for r in range(N) if row_minibatch[r] == j]
-        mask = batch["loss_mask"][rows]
-        counts.append([float(aggregation_count(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
-        if args.pack and args.device_batch_size is None:
-            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
-            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
-        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
-    return micro_batches, torch.tensor(counts, dtype=torch.float64), torch.tensor(row_minibatch)
-
-
-def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
-    """A micro-batch's log-probs (and entropies; and with top_ids, a teacher's top-k ids in the pass's layout, the
-    log-probs of those tokens and of the rest) in its rows' layout, [R, width, ...]: a packed pass runs as one
-    sequence, and each row's tokens are taken back out of it. The entropies carry a gradient only where the loss
-    has the entropy bonus; else they are only logged."""
-    out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
-                             positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0,
-                             top_ids=top_ids)
-    return tuple(in_rows(t, mb) for t in out) if isinstance(out, tuple) else in_rows(out, mb)
-
-
-@torch.no_grad()
-def frozen_logprobs(net, micro_batches, args, autocast):
-    """Log-probs of the micro-batches under a net that does not train (pi_old, pi_ref): one [R, width] each."""
-    with autocast:
-        return [logprobs_of(net, mb, args) for mb in micro_batches]
-
-
-def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
-    """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
-    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
-    teacher: --distill-coef's frozen teacher."""
-    micro_batches = batch["micro_batches"]
-    start = time.time()
-    old_logprobs, ref_logprobs, teacher_logprobs = frozen_terms(model, batch, args, autocast, ref_model, teacher)
-    time_logprobs = time.time() - start
-    advantages = batch["advantages"][:, None]  # [N, 1]
-    # every minibatch's normaliser, policy tokens and tokens with a non-zero advantage, summed over ranks: one read
-    # from the device per update
-    counts = all_reduce(torch.cat([batch["minibatch_counts"].to(advantages.device),
-                                   signal_tokens(batch, args)], dim=1)).tolist()
-    stats = update_stats(advantages.device)
-    model.train()
-    for _ in range(args.ppo_epochs):
-        for j, (denominator, tokens, tokens_with_advantage) in enumerate(counts):
-            if tokens == 0:  # e.g. every group dropped: a step on zero gradients would still move weights (momentum)
-                stats["empty_updates"] += 1
-                continue
-            # No policy signal (every advantage 0, no entropy bonus, no teacher): the step a KL-free run takes, on a
-            # zero gradient (nanochat's). The KL alone would be a gradient of rounding-level size, and Muon and Adam,
-            # which normalise a step's scale, would turn it into a full step away from the reference
-            # (docs/algorithm.md). Its forward still runs, without a graph: pi_old and the logged terms.
-            signal = tokens_with_advantage > 0 or args.entropy_coef > 0 or teacher is not None
-            stats["no_signal_updates"] += not signal
-            minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
-            for i in (i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j):
-                mb = micro_batches[i]
-                mb_denominator = (denominator * batch["pass_normalisers"][mb["rows"]][:, None]
-                                  if args.aggregation == "nanochat" else denominator)
-                with autocast, torch.set_grad_enabled(signal):
-                    # before the first step pi_old is pi_theta: rho = 1 exactly
-                    loss, parts, logprobs = micro_batch_loss(
-                        model, mb, old_logprobs[i] if stats["stepped"] else None, ref_logprobs[i],
-                        teacher_logprobs[i], advantages[mb["rows"]], mb_denominator, args)
-                if not stats["stepped"]:
-                    old_logprobs[i] = logprobs
-                if signal:
-                    loss.backward()
-                minibatch_loss += loss.detach()
-                add_micro_batch_stats(stats, loss, parts, mb["loss_mask"])
-            minibatch_step(model, optimizers, stats, minibatch_loss, signal, args, owners)
-    return finish_update_stats(stats, args, with_kl=ref_model is not None, with_teacher=teacher is not None), \
-        time_logprobs
-
-
-def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, advantages, denominator, args):
-    """One forward pass of the update: the micro-batch's log-probs under the policy, and its share of the loss
-    (objective). old_logprobs None: pi_old is the policy itself (rho = 1). -> (loss, parts, log-probs [R, width],
-    detached). The start-up self-check runs its fast and plain paths through this too."""
-    forward = isinstance(teacher_logprobs, dict)  # --distill-divergence forward: the student at the teacher's top-k
-    logprobs, entropy, *student_top = logprobs_of(model, mb, args, with_entropy=True,
-                                                  top_ids=teacher_logprobs["ids"] if forward else None)
-    old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
-    loss, parts = objective(logprobs, entropy, old_logprobs, ref_logprobs, mb["sampler_logprobs"], advantages,
-                            mb["loss_mask"], denominator, args, teacher_logprobs["logprobs"] if forward else
-                            teacher_logprobs, student_top or None)
-    return loss, parts, logprobs.detach()
-
-
-def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
-    """The update's frozen log-probs, one [R, width] per micro-batch (None where not taken): pi_old where a pass
-    needs it before its own forward, pi_ref and the teacher's -> (old, ref, teacher). With --kl-placement reward
-    the batch's advantages are rebuilt here, from the rewards minus the KL."""
-    micro_batches = batch["micro_batches"]
-    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
-    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
-    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
-    # all of them when the KL is a reward term, which needs pi_old before the advantages.
-    kl_in_reward = ref_model is not None and args.kl_placement == "reward"
-    none = [None] * len(micro_batches)
-    old_logprobs, ref_logprobs, teacher_logprobs = list(none), none, none  # pi_old: also filled in by the update
-    later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
-    for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
-        old_logprobs[i] = logprobs
-    device = batch["advantages"].device
-    if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
-        with ref_model.lora_disabled(), on_device(ref_model, device) if args.ref_offload else nullcontext():
-            ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
-    if teacher is not None:  # on the same passes
-        with on_device(teacher, device) if args.teacher_offload else nullcontext():
-            if args.distill_divergence == "forward":
-                with autocast:
-                    teacher_logprobs = [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-            else:
-                teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
-    if kl_in_reward:  # r_i - beta sum_t k1_t, then the group-relative advantages as usual
-        penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
-        for mb, old, ref in zip(micro_batches, old_logprobs, ref_logprobs):
-            penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
-        rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
-        batch["advantages"] = group_advantages(rewards, args.advantage).flatten()
-    return old_logprobs, ref_logprobs, teacher_logprobs
-
-
-def minibatch_step(model, optimizers, stats, minibatch_loss, signal, args, owners):
-    """A minibatch's optimizer step, after its backward passes: on a zero gradient without policy signal, on the
-    gradients summed over ranks (each rank's loss is its share of the global mean), never on a non-finite loss."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not signal:
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-    reduce_gradients(trainable, owners)
-    if not torch.isfinite(all_reduce(minibatch_loss.clone())):
-        stats["skipped_updates"] += 1  # the weights stay as they were
-    else:
-        optimizer_step(model, optimizers, stats, args.grad_clip, owners)
-        stats["stepped"] = True  # from here on pi_theta differs from pi_old: ratios can clip
-    model.zero_grad(set_to_none=True)
-
-
-def signal_tokens(batch, args):
-    """-> [num_minibatches, 1]: this rank's loss tokens whose reply has a non-zero advantage, per minibatch."""
-    advantages = batch["advantages"]
-    per_row = batch["loss_mask"].sum(dim=1) * (advantages != 0)  # [N]
-    return torch.zeros(args.num_minibatches, 1, dtype=torch.float64, device=advantages.device).index_add_(
-        0, batch["row_minibatch"], per_row.double()[:, None])
-
-
-def reset_reference(model, ref_model, optimizers, step, args):
-    """DeepSeekMath's iterative variant: the reference moves to the current policy every --ref-reset-every steps."""
-    if args.lora_rank:  # the reference is the base: fold the adapters into it and restart them, Adam's moments too
-        model.merge_lora(seed=args.seed + step)
-        optimizers[0].state.clear()
-    else:
-        ref_model.load_state_dict(model.state_dict())
-
-
-def train(args, run):
-    """The step loop: sample -> score -> advantages -> batch -> update -> end of step. `run` holds what the
-    plumbing below the banner set up: the model, its reference and optimizers, the tasks, device and run folder."""
-    model, ref_model, tokenizer, task = run.model, run.ref_model, run.tokenizer, run.train_task
-    for step in range(run.start_step, args.num_steps):
-        step_start = time.time()
-        lr_multiplier = set_learning_rates(run.optimizers, step, args)
-        if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
-            reset_reference(model, ref_model, run.optimizers, step, args)
-
-        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
-        model.eval()
-        indices = prompt_indices(step, run.rank, run.world_size, args, len(task))
-        seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
-        groups = sample_groups(model, tokenizer, task, indices, seeds, args, run.autocast)
-        rounds = 1
-        if args.dynamic_sampling:
-            groups, rounds = dynamic_sampling(groups, model, tokenizer, task, step, run.rank, args, run.autocast)
-        time_sample = time.time() - step_start
-
-        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
-        batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack,
-                                     groups["reward_parts"]), run.device)
-        update_start = time.time()
-        stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners,
-                                             run.teacher)
-
-        # 6. Log, check, evaluate, save.
-        times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
-                     time_update=time.time() - update_start - time_logprobs)
-        end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start)
-
-
-# =============================================================================
-# The run's plumbing: the whole-config checks, devices and processes, the start policy and its optimizers, the
-# run folder (lock, config, metrics, checkpoints, resume, one-line stops), evaluation, distributed helpers and
-# --compare. Nothing above needs to be read to follow the algorithm.
-# =============================================================================
-
 def main(argv=None):
-    STOP.update(signal=None, since=0.0, at_step_end=False)
+    STOP.update(received=None, since=0.0, at_step_end=False)
     args = resolve_config(argv)
     if args.compare:  # the plot beside the runs when they share a folder, else in the current one
         folders = {os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in args.compare}
@@ -1008,7 +1027,7 @@ OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 
 # A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
 # then saves the step under way and stops.
-STOP = {"signal": None, "since": 0.0, "at_step_end": False}
+STOP = {"received": None, "since": 0.0, "at_step_end": False}
 # The same signal again within this many seconds is the same stop: torchrun forwards every signal it gets to its
 # workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice.
 SIGNAL_REPEAT_SECONDS = 2.0
@@ -1035,10 +1054,10 @@ def stop_at_step_end(signum, frame):
     then stops); a second one, or one outside the steps, stops at once (after a write under way). The same signal
     again within SIGNAL_REPEAT_SECONDS is the first one delivered twice (by the launcher too), and changes nothing."""
     name, now = signal.Signals(signum).name, time.monotonic()
-    if STOP["signal"] == name and now - STOP["since"] < SIGNAL_REPEAT_SECONDS:
+    if STOP["received"] == name and now - STOP["since"] < SIGNAL_REPEAT_SECONDS:
         return
-    first = STOP["at_step_end"] and not STOP["signal"]
-    STOP.update(signal=name, since=now)
+    first = STOP["at_step_end"] and not STOP["received"]
+    STOP.update(received=name, since=now)
     if not first:
         return stop_signal(signum, frame)
     if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
@@ -1689,14 +1708,14 @@ def self_check(args, run, questions=4, new_tokens=16):
     whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
     restores them after. Prints one line; a path beyond the bound stops every rank with one line naming it and the
     flag that avoids it."""
-    start = time.time()
-    model, G = run.model, 2
+    start, model = time.time(), run.model
+    check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
+                                   drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
+                                   advantage="mean", kl_coef=0.0, distill_coef=0.0, rollout_correction="off"))
+    G = check.num_samples  # the check's own replies a question, whatever the run's
     prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(
         run.train_task)))]
     rows = len(prompts) * G
-    check = SimpleNamespace(**dict(vars(args), num_samples=G, num_minibatches=1, aggregation="token",
-                                   drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
-                                   advantage="mean", kl_coef=0.0, distill_coef=0.0, rollout_correction="off"))
     plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
     paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -2359,12 +2378,12 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
         requested = stop_requested(run)  # the barrier; and a stop that came during the save
         stopping = stopping or (STOP["at_step_end"] and requested)
     if stopping and not last:
-        raise KeyboardInterrupt(f"{STOP['signal'] or 'a stop signal on another rank'} at the end of step {step + 1}")
+        raise KeyboardInterrupt(f"{STOP['received'] or 'a stop signal on another rank'} at the end of step {step + 1}")
 
 
 def stop_requested(run):
     """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
-    return all_reduce(torch.tensor(float(STOP["signal"] is not None)), dist.ReduceOp.MAX).item() > 0
+    return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
 
 
 def complete_steps(checkpoint_dir):
@@ -2557,7 +2576,7 @@ def update_stats(device):
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
                 grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
-                skipped_updates=0, empty_updates=0, no_signal_updates=0, stepped=False,
+                skipped_updates=0, empty_updates=0, no_signal_updates=0,
                 weights_finite=torch.ones((), dtype=torch.bool, device=device))
 
 
@@ -2607,15 +2626,16 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
 
 
 @torch.no_grad()
-def add_micro_batch_stats(stats, loss, parts, mask):
-    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]."""
+def add_micro_batch_stats(stats, loss, parts, mask, stepped):
+    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]; stepped: whether an
+    optimizer step came before this pass in the update."""
     sums = stats["sums"]
     sums["loss"] += loss
     sums["loss_policy"] += parts["loss_policy"]
     if "kl" in parts:
         sums["loss_kl"] += parts["loss_kl"]
         sums["kl"] += (parts["kl"] * mask).sum()
-    if stats["stepped"]:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
+    if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
         clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
         sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
         sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
@@ -2846,6 +2866,8 @@ def micro_batch(batch, rows, minibatch, widths, needed, args, static):
     mb = {k: batch[k][rows, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
                                               "sampler_logprobs")}
     mb.update(minibatch=minibatch, rows=torch.tensor(rows))
+    if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
+        mb["pass_normalisers"] = batch["pass_normalisers"][rows]
     if args.pack:  # the masks stay in the rows' layout
         mb.update(pack_micro_batch(mb, [widths[r] for r in rows], args.tokens_per_pass, static))
         mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence

@@ -24,7 +24,7 @@ For each shape (random weights, nanochat's newest GPT generation by default), fi
     real token, padding and recomputation not counted), peak memory next to the plan's; the compile's seconds apart (an update run
     before the timed one); with --profile the 15 CUDA kernels that take most of the timed update's time.
 The random model never stops, so every reply has exactly --new-tokens tokens; rewards are random. The rollouts are
-measured a second time at real lengths (tests/bench_lengths.py: each reply stops where a GSM8K training answer would,
+measured a second time at real lengths (tests/bench_shared.py: each reply stops where a GSM8K training answer would,
 --bytes-per-token bytes a token), the decode's time next to the bound of reading the weights once a step and each
 running row's filled cache only.
 Not collected by pytest; on a machine without CUDA it says so and exits 0 (unless --smoke).
@@ -42,7 +42,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
-from bench_lengths import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import PEAK_BF16_TFLOPS, describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import timed as timed_on  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
 from tasks.sort import Sort  # noqa: E402
 
@@ -51,7 +52,6 @@ SHAPES = {  # nanochat's depth-d models: width 64 * d, heads of 128 channels
     "d20": dict(n_layer=20, n_embd=1280, n_head=10, n_kv_head=10),
     "tiny": dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=2),
 }
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (SXM parts)
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--shapes", default="d12,d20", help="comma-separated: " + ", ".join(SHAPES))
@@ -95,17 +95,8 @@ name = torch.cuda.get_device_name(device) if cuda else "cpu"
 peak_tflops = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def sync():
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def timed(fn):
-    sync()
-    start = time.perf_counter()
-    result = fn()
-    sync()
-    return result, time.perf_counter() - start
+    return timed_on(fn, cuda)
 
 
 def copy_bandwidth():

@@ -11,7 +11,7 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
 2. one prompt per call: generate() once per prompt, its samples batched;
 3. naive: no KV cache, a full forward over the whole sequence for every new token (one prompt's samples).
 The random model never emits a stop token, so every row generates exactly --max-new-tokens tokens; with
---real-lengths each batched reply stops where a GSM8K answer would (tests/bench_lengths.py), the other ways skipped.
+--real-lengths each batched reply stops where a GSM8K answer would (tests/bench_shared.py), the other ways skipped.
 With several generations (same shape), their timings interleave, so that a busy machine slows them alike.
 """
 import argparse
@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_lengths import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +42,7 @@ parser.add_argument("--decode", default="auto", choices=["auto", "dynamic", "sta
 parser.add_argument("--compile", action="store_true", help="the static decode step through torch.compile (grpo.py's --compile)")
 parser.add_argument("--real-lengths", action="store_true", help="batched replies stop at GSM8K's answer lengths")
 parser.add_argument("--gsm8k-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))
-parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_lengths.py")
+parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_shared.py")
 args = parser.parse_args()
 
 torch.manual_seed(0)

@@ -12,7 +12,7 @@ tokens' rows of the head zeroed so that neither model ever samples them), then r
 (a) rollouts: nanochat's Engine as chat_rl.py calls it (one question at a time, --device-batch-size replies a
     generate_batch call, --num-samples a question) against grpo.py's sampler as a GPU run calls it (every question's
     replies in one call, the decode step compiled and captured), --prompts questions, at real lengths
-    (tests/bench_lengths.py: the stop token forced at the same length in both);
+    (tests/bench_shared.py: the stop token forced at the same length in both);
 (b) the RL update on those rows: chat_rl.py's loop (passes of --device-batch-size padded rows of one question, its
     loss, one MuonAdamW step, its model eager as chat_rl.py leaves it) against grpo.py's `--algo reinforce` update
     (packed passes at the memory plan's fit, compiled as a GPU run is);
@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import os
 import sys
-import time
 import types
 
 import torch
@@ -35,13 +34,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
-from bench_lengths import describe, engine_stopping_at, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import PEAK_BF16_TFLOPS, describe, engine_stopping_at, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import timed as timed_on  # noqa: E402
 from model import Tokenizer, generate, model_from_state  # noqa: E402
 
 SHAPES = {"d20": dict(n_layer=20, n_embd=1280, n_head=10, n_kv_head=10),
           "d12": dict(n_layer=12, n_embd=768, n_head=6, n_kv_head=6),
           "tiny": dict(n_layer=2, n_embd=64, n_head=2, n_kv_head=2)}
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--shape", default="d20", choices=list(SHAPES))
@@ -54,7 +53,7 @@ parser.add_argument("--prompt-len", type=int, default=128)
 parser.add_argument("--max-new-tokens", type=int, default=256)
 parser.add_argument("--pretrain-rows", type=int, default=32, help="base_train's --device-batch-size")
 parser.add_argument("--gsm8k-dir", default=os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
-parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_lengths.py")
+parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_shared.py")
 parser.add_argument("--part", default="all", choices=["all", "rollouts", "update", "pretrain"])
 parser.add_argument("--peak-tflops", type=float, default=None)
 parser.add_argument("--smoke", action="store_true")
@@ -92,17 +91,8 @@ tokenizer = Tokenizer.byte_level()  # nanochat's special tokens at nanochat's id
 their_tokenizer = RustBPETokenizer(tokenizer.enc, "<|bos|>")
 
 
-def sync():
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def timed(fn):
-    sync()
-    start = time.perf_counter()
-    result = fn()
-    sync()
-    return result, time.perf_counter() - start
+    return timed_on(fn, cuda)
 
 
 def the_same_random_weights():

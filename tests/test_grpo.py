@@ -67,7 +67,7 @@ def sampled_batch(args, seed=0):
 
 def replan(batch, args):
     """The micro-batches planned again, after a test changed the batch's masks."""
-    batch["micro_batches"], batch["minibatch_counts"], batch["row_minibatch"] = grpo.plan_micro_batches(batch, args)
+    batch["micro_batches"], batch["minibatch_totals"], batch["row_minibatch"] = grpo.plan_micro_batches(batch, args)
 
 
 def gradients(model, batch, args):
@@ -178,8 +178,8 @@ def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
     model, batch = sampled_batch(args)
     before = grpo.frozen_logprobs(model, batch["micro_batches"], args, NO_AUTOCAST)
     received, objective = [], grpo.objective
-    monkeypatch.setattr(grpo, "objective", lambda logprobs, entropy, old, *a: received.append(old.clone())
-                        or objective(logprobs, entropy, old, *a))
+    monkeypatch.setattr(grpo, "objective", lambda logprobs, entropy, frozen, *a: received.append(
+        frozen["old"].clone()) or objective(logprobs, entropy, frozen, *a))
     stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     order = sorted(range(len(before)), key=lambda i: batch["micro_batches"][i]["minibatch"])  # minibatch by minibatch
     expected = [before[i] for _ in range(args.ppo_epochs) for i in order]
@@ -596,8 +596,8 @@ def test_aggregations_by_hand_including_an_all_masked_reply():
     lengths = grpo.pass_normalisers(mask, G=3, pass_size=2)
     assert lengths.tolist() == pytest.approx([2.0, 2.0, 2 / 3])  # a pass's tokens x 2 passes / 3 replies
     for kind, value in expected.items():
-        denominator = grpo.aggregation_count(mask, kind, max_new_tokens=5).float()
-        rows = lambda s: denominator * lengths[s][:, None] if kind == "nanochat" else denominator
+        denominator = grpo.loss_denominator(mask, kind, max_new_tokens=5).float()
+        rows = lambda s: grpo.micro_batch_denominator(denominator, {"pass_normalisers": lengths[s]}, kind)
         assert grpo.aggregate(per_token, mask, kind, rows(slice(0, 3))).item() == pytest.approx(value)
         # shares of micro-batches add up to the whole, whatever the split
         parts = sum(grpo.aggregate(per_token[s], mask[s], kind, rows(s)) for s in (slice(0, 1), slice(1, 3)))

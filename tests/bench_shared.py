@@ -1,16 +1,31 @@
-"""Rollouts at real lengths, for the benchmarks (not collected by pytest): GSM8K's training answers as reply lengths,
-and the stop token forced there, in grpo.py's sampler and in nanochat's Engine alike.
+"""What the benchmarks share (not collected by pytest): a timer that waits for the GPU, the GPUs' peaks, and rollouts
+at real lengths: GSM8K's training answers as reply lengths, and the stop token forced there, in grpo.py's sampler and
+in nanochat's Engine alike.
 
 A GSM8K answer rendered as nanochat renders a chat reply (calculator blocks and their outputs included, the stop token
 last) has a length in bytes (the byte-level tokenizer: one token a byte, one a special token); divided by
 bytes_per_token it stands for a real tokenizer's count (nanochat's 65,536-token tokenizer: 1.9 bytes a token on math
 text, 4.9 on English, in its own tokenizer report; no BPE tokenizer is on this machine to count GSM8K exactly)."""
+import time
 from contextlib import contextmanager
 
 import torch
 
 import model as model_module
 from tasks.gsm8k import GSM8K
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity (SXM parts)
+
+
+def timed(fn, cuda):
+    """-> (fn(), its seconds), the GPU's queued work finished before and after."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start
 
 
 def gsm8k_reply_lengths(tokenizer, gsm8k_dir, bytes_per_token, n, max_new_tokens, seed=0):
