@@ -23,7 +23,8 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
                 (--distill-divergence forward, --algo distill's)
     loss      = aggregate(policy_t + beta * kl_t - c * H_t + lambda * fkl_t)  over the batch's reply tokens
                 (nanochat | token | sequence | constant)
-The code reads top to bottom in the order a step runs; below the banner, the flags and the run's plumbing."""
+The code reads top to bottom: the objective's terms, then a step in the order it runs; below the banner, the flags
+and the run's plumbing."""
 import os
 
 # A small model's ops take microseconds each, inside OpenMP parallel regions whose threads wait for one another at
