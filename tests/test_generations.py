@@ -652,6 +652,39 @@ def test_the_compiled_passes_on_a_gpu_are_one_graph_each(monkeypatch):
         assert graphs.graph_count == 1 and graphs.graph_break_count == 0, [r.reason for r in graphs.break_reasons]
 
 
+def test_a_compiled_decode_step_on_a_gpu_is_one_graph_through_torchs_own_kernel(monkeypatch):
+    # The captured decode step of a GPU run (static cache, flash attention over each row's written columns) traced
+    # on the meta device through torch's own varlen_attn: its fake kernel takes the call's arguments (seqused_k
+    # without a graph for gradients, GQA, windows), and the step is one graph, every layer through cached_attention.
+    import inspect
+    import torch._dynamo
+    varlen_attn = pytest.importorskip("torch.nn.attention.varlen").varlen_attn
+    keywords = inspect.signature(varlen_attn).parameters
+    if "seqused_k" not in keywords or "enable_gqa" not in keywords:
+        pytest.skip("this torch's varlen_attn takes no seqused_k or no enable_gqa: the decode keeps the masked path")
+    calls, cached = [], model_module.cached_attention
+    monkeypatch.setattr(model_module, "cached_attention", lambda *a: calls.append(1) or cached(*a))
+    monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(model_module, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", True)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: False)  # the meta device has no autocast
+    model = random_model("smear-backout", sequence_len=256).bfloat16().to("meta")
+    c, rows, columns = model.config, 6, 300
+    cache = KVCache(c.n_layer, torch.zeros(rows, dtype=torch.long, device="meta"), columns)
+    cache.k, cache.v = ([torch.empty(rows, columns, c.n_kv_head, c.n_embd // c.n_head, dtype=torch.bfloat16,
+                                     device="meta") for _ in range(c.n_layer)] for _ in range(2))
+    cache.previous = torch.empty(rows, c.n_embd, dtype=torch.bfloat16, device="meta")
+    cache.pos, cache.static = torch.tensor(200, device="meta"), True  # past the short window (128)
+    token, noise = torch.zeros(rows, dtype=torch.long, device="meta"), torch.rand(rows, device="meta")
+    try:
+        with torch.no_grad():  # as generate runs it
+            graphs = torch._dynamo.explain(model_module.decode_step)(model, cache, 1.0, 50, token, noise)
+    finally:
+        torch._dynamo.reset()
+    assert graphs.graph_count == 1 and graphs.graph_break_count == 0, [r.reason for r in graphs.break_reasons]
+    assert len(calls) == c.n_layer and c.n_kv_head < c.n_head
+
+
 def test_the_compiled_packed_pass_on_a_cpu_is_one_graph():
     # The CPU branch of packed attention (no flash kernel: a CPU build, or a float32 run) as --compile traces it:
     # which branch runs is decided from the queries' device, dtype and the torch build, a question that must not
