@@ -1029,8 +1029,9 @@ OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
 # A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
 # then saves the step under way and stops.
 STOP = {"received": None, "since": 0.0, "at_step_end": False}
-# The same signal again within this many seconds is the same stop: torchrun forwards every signal it gets to its
-# workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice.
+# Under torchrun the same signal again within this many seconds is the same stop: the launcher forwards every signal
+# it gets to its workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice. A
+# process of its own gets each signal once: there a second one, however soon, is a person's second Ctrl-C.
 SIGNAL_REPEAT_SECONDS = 2.0
 
 
@@ -1052,18 +1053,21 @@ def stop_signals():
 
 def stop_at_step_end(signum, frame):
     """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    then stops); a second one, or one outside the steps, stops at once (after a write under way). The same signal
-    again within SIGNAL_REPEAT_SECONDS is the first one delivered twice (by the launcher too), and changes nothing."""
+    then stops); a second one, or one outside the steps, stops at once (after a write under way). Under torchrun the
+    same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered twice (by the launcher too), and
+    changes nothing."""
     name, now = signal.Signals(signum).name, time.monotonic()
-    if STOP["received"] == name and now - STOP["since"] < SIGNAL_REPEAT_SECONDS:
+    repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
+    if STOP["received"] == name and now - STOP["since"] < repeat:
         return
     first = STOP["at_step_end"] and not STOP["received"]
     STOP.update(received=name, since=now)
     if not first:
         return stop_signal(signum, frame)
     if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
-        os.write(2, f"{name}: the step under way finishes and is saved, then the run stops (a second signal, "
-                    f"{SIGNAL_REPEAT_SECONDS:.0f} s or more after this one, stops it at once)\n".encode())
+        second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
+        os.write(2, f"{name}: the step under way finishes and is saved, then the run stops ({second} stops it at "
+                    "once)\n".encode())
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.

@@ -201,14 +201,14 @@ def test_ctrl_c_saves_the_step_under_way_and_resume_equals_the_uninterrupted_run
 
 
 def test_a_second_signal_or_no_save_on_stop_stops_at_once_and_a_repeat_is_the_same_stop(tmp_path, monkeypatch):
-    # a person's second Ctrl-C (here: the repeat window shrunk to nothing); the same signal twice at once, as a
-    # launcher's forward delivers it, is one stop
-    for name, count, window, extra in (("twice", 2, 0.0, []), ("no-save", 1, None, ["--no-save-on-stop"]),
-                                       ("repeated", 2, None, [])):
+    # a person's second Ctrl-C to a process of its own, however soon after the first, stops it at once; under
+    # torchrun the same signal twice at once, as the launcher's forward delivers it, is one stop
+    for name, count, launched, extra in (("twice", 2, False, []), ("no-save", 1, False, ["--no-save-on-stop"]),
+                                         ("repeated", 2, True, [])):
         with monkeypatch.context() as patched:
             signals_in_update(patched, at_update=2, count=count)
-            if window is not None:
-                patched.setattr(grpo, "SIGNAL_REPEAT_SECONDS", window)
+            if launched:
+                patched.setenv("TORCHELASTIC_RUN_ID", "test")
             with pytest.raises(SystemExit) as stop:
                 grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", *extra, name=name))
         expected = ("error: stopped by SIGINT at the end of step 2. The run's newest checkpoint, step 2 " if
