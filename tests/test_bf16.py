@@ -1,7 +1,9 @@
 """Mixed precision (--dtype bfloat16) is CPU autocast here and CUDA autocast on a GPU: the same code, tested on the CPU."""
 import copy
 import json
+import logging
 import os
+import re
 import runpy
 import sys
 
@@ -180,3 +182,29 @@ def test_a_bf16_reference_is_built_by_default_under_bf16_and_resumes_exactly(tmp
         assert torch.equal(reference[k], states[1]["ref_model"][k]), k
     with pytest.raises(SystemExit):
         grpo.main(flags + ["--run-name", "f32", "--dtype", "float32", "--ref-dtype", "bfloat16"])
+
+
+def test_the_side_by_side_with_nanochat_runs_on_a_tiny_shape(monkeypatch, capsys):
+    # tests/bench_vs_nanochat.py --smoke --part rollouts, in this process: nanochat's own GPT and Engine next to ours on
+    # the same weights (skipped without nanochat's code in ../shared/peers). Its other parts step nanochat's optimizer,
+    # whose compiled functions take 8 s to compile on a CPU: `--smoke` alone runs them.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    peer = os.environ.get("NANOCHAT_PEER", os.path.join(root, "..", "shared", "peers", "nanochat"))
+    if not os.path.isfile(os.path.join(peer, "nanochat", "gpt.py")):
+        pytest.skip("nanochat's code not found (../shared/peers/nanochat or $NANOCHAT_PEER)")
+    bench = os.path.join(root, "tests", "bench_vs_nanochat.py")
+    monkeypatch.setattr(sys, "argv", [bench, "--smoke", "--part", "rollouts"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script appends nanochat's folder: undone after
+    before, root = set(sys.modules), logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # nanochat's import sets the root logger up: undone
+    monkeypatch.setattr(root, "level", root.level)
+    try:
+        runpy.run_path(bench, run_name="__main__")
+    finally:
+        for name in set(sys.modules) - before:  # nanochat's modules and the stand-ins its tokenizer module imports
+            if name.split(".")[0] in ("nanochat", "rustbpe", "tokenizers"):
+                del sys.modules[name]
+    out = capsys.readouterr().out
+    apart = float(re.search(r"logits (\S+) apart", out).group(1))  # the same weights in both, float32 on the CPU
+    assert apart < 1e-4, out
+    assert "(a) rollouts: nanochat's Engine as chat_rl.py calls it" in out and "grpo.py's sampler" in out

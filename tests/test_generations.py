@@ -668,7 +668,7 @@ def test_a_compiled_decode_step_on_a_gpu_is_one_graph_through_torchs_own_kernel(
     monkeypatch.setattr(model_module, "varlen_attn", varlen_attn)
     monkeypatch.setattr(model_module, "VARLEN_GQA", True)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: False)  # the meta device has no autocast
-    model = random_model("smear-backout", sequence_len=256).bfloat16().to("meta")
+    model = random_model("smear-backout", n_layer=2, sequence_len=256).bfloat16().to("meta")
     c, rows, columns = model.config, 6, 300
     cache = KVCache(c.n_layer, torch.zeros(rows, dtype=torch.long, device="meta"), columns)
     cache.k, cache.v = ([torch.empty(rows, columns, c.n_kv_head, c.n_embd // c.n_head, dtype=torch.bfloat16,
