@@ -147,13 +147,15 @@ class KVCache:
         self.k = self.v = None  # allocated on first write, in the dtype the model computes in
         self.previous = None
         self.pos = 0
-        self.static = False
+        self.static = self.flash = False
 
-    def make_static(self):
+    def make_static(self, n_head):
+        """Static shapes from here on (n_head: the queries' heads, for the flash kernel's check)."""
         self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
         for layer in range(self.n_layer if self.k is not None else 0):  # columns before heads: one copy a call,
             for cache in (self.k, self.v):  # a layer at a time (the plan counts one cache, not two)
                 cache[layer] = cache[layer].transpose(1, 2).contiguous()
+        self.flash = self.k is not None and flash_decode_takes(self.k[0], n_head)
 
     def update(self, layer, k, v):
         """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far as [B, H, S, hd]
@@ -220,7 +222,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
-            if cache.static and flash_varlen(q) and (VARLEN_GQA or self.n_kv_head == self.n_head):
+            if cache.static and cache.flash:  # a GPU's decode step (flash_decode_takes)
                 return self.c_proj(cached_attention(q, cache, layer, self.window).reshape(B, T, C))
         # On a GPU, SDPA's first choice for a masked call may be cuDNN attention, which builds a plan for every new
         # shape (~14 ms of CPU each); efficient attention takes any shape as it comes (math where it cannot, GQA).
@@ -267,6 +269,31 @@ def cached_attention(q, cache, layer, window):
     grouped = {"enable_gqa": k.size(2) != q.size(2)} if VARLEN_GQA else {}
     return varlen_attn(q.transpose(1, 2).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), queries, keys, 1, S,
                        window_size=(reach, 0), seqused_k=written, **grouped)
+
+
+DECODE_FLASH = {"failed": False}  # a kernel that refused the decode step's call once is not tried again
+
+
+def flash_decode_takes(keys, n_head):
+    """Whether a static cache's decode steps attend through cached_attention: flash attention takes queries of this
+    dtype and head size (flash_varlen), with grouped heads if any, and the kernel takes the call, tried once a cache
+    on its first row (a torch build or GPU whose flash kernel refuses seqused_k leaves the masked attention to do
+    the work, after one note, instead of ending the run). keys: a layer's cache [B, S, H_kv, hd]."""
+    q = keys.new_zeros(1, n_head, keys.size(-1))
+    if DECODE_FLASH["failed"] or not flash_varlen(q) or not (VARLEN_GQA or n_head == keys.size(2)):
+        return False
+    spans = torch.tensor([0, 0, 1], dtype=torch.int32, device=keys.device)  # as cached_attention's: an empty first
+    grouped = {"enable_gqa": n_head != keys.size(2)} if VARLEN_GQA else {}
+    try:
+        with torch.no_grad():
+            varlen_attn(q, keys[0], keys[0], spans, spans * keys.size(1), 1, keys.size(1), window_size=(-1, 0),
+                        seqused_k=spans[1:].clone(), **grouped)
+        return True
+    except RuntimeError as e:
+        DECODE_FLASH["failed"] = True
+        print(f"note: flash attention does not take the decode step's call here ({str(e).splitlines()[0][:200]}); "
+              "the decode reads the whole cache, masked")
+        return False
 
 
 def flash_varlen(q):
@@ -701,7 +728,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     if decode not in ("dynamic", "static", "graph"):
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     if decode != "dynamic":
-        cache.make_static()
+        cache.make_static(model.config.n_head)
     step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
     sampled, sampled_logprob = sample_tokens(logits[shared], temperature, top_k, noise[:, 0],
                                              model.generation.softcap)  # [N], [N]

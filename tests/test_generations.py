@@ -151,13 +151,16 @@ def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation,
         return strict_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=seqused_k, **kw)
     monkeypatch.setattr(model_module, "varlen_attn", kernel)
     monkeypatch.setattr(model_module, "VARLEN_GQA", True)
+    monkeypatch.setitem(model_module.DECODE_FLASH, "failed", False)
     monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype == torch.bfloat16)
     with bf16:
         for options in (dict(temperature=1.0, top_k=50, seed=3), dict(temperature=0)):
             generate(model, TOK, prompts, 4, 30, decode="static", **options)
     longest = max(map(len, prompts))
+    probes = [i for i, call in enumerate(calls) if call[2].tolist() == [0, 1]]  # flash_decode_takes: once a call
+    calls = [call for i, call in enumerate(calls) if i not in probes]
     steps = [(rows - 1, used[1:]) for rows, width, used in calls[::model.config.n_layer] if width == longest + 30]
-    assert len(calls) == model.config.n_layer * len(steps) and {rows for rows, _ in steps} > {12}
+    assert len(probes) == 2 and len(calls) == model.config.n_layer * len(steps) and {rows for rows, _ in steps} > {12}
     # the first step of a call: every row's whole prompt and its first reply token; each step one more
     first = [len(p) + 1 for p in prompts for _ in range(4)]
     starts = [i for i, (_, used) in enumerate(steps) if used.tolist() == first]
@@ -175,6 +178,29 @@ def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation,
     assert errors[True] <= 2 * errors[False], errors
 
 
+def test_a_flash_kernel_that_refuses_the_decode_steps_call_leaves_the_masked_attention_after_one_note(monkeypatch,
+                                                                                                        capsys):
+    # a torch build or GPU whose flash kernel refuses seqused_k: the decode reads the whole cache as before, the
+    # same tokens, one note for the process; the run goes on
+    def refusing(*args, seqused_k=None, **kwargs):
+        if seqused_k is not None:
+            raise RuntimeError("seqused_k is not supported by this build")
+        return strict_varlen_attn(*args, **kwargs)
+    from kernels import strict_varlen_attn
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    monkeypatch.setattr(model_module, "varlen_attn", refusing)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", True)
+    monkeypatch.setitem(model_module.DECODE_FLASH, "failed", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        masked = generate(model, TOK, prompts, 4, 30, seed=3, decode="static")  # (a CPU: no flash kernel)
+        monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype == torch.bfloat16)
+        refused = [generate(model, TOK, prompts, 4, 30, seed=3, decode="static") for _ in range(2)]
+    for key in masked:
+        assert all(torch.equal(masked[key], r[key]) for r in refused), key
+    assert capsys.readouterr().out.count("note: flash attention does not take the decode step's call here") == 1
+
+
 def forced_decode_logits(model, prompts, continuation, autocast):
     """Logits [rows, 1 + steps, V] of a prefill and of static decode steps on forced tokens; after half the steps the
     batch keeps rows 2 and 0, as a halving does."""
@@ -183,7 +209,7 @@ def forced_decode_logits(model, prompts, continuation, autocast):
     kept = torch.tensor([2, 0])
     with torch.no_grad(), autocast:
         logits = [model(torch.tensor([[0] * (longest - len(p)) + p for p in prompts]), cache)[kept, -1]]
-        cache.make_static()
+        cache.make_static(model.config.n_head)
         for i in range(steps):
             if i == steps // 2:
                 cache.select(kept)
@@ -674,7 +700,7 @@ def test_a_compiled_decode_step_on_a_gpu_is_one_graph_through_torchs_own_kernel(
     cache.k, cache.v = ([torch.empty(rows, columns, c.n_kv_head, c.n_embd // c.n_head, dtype=torch.bfloat16,
                                      device="meta") for _ in range(c.n_layer)] for _ in range(2))
     cache.previous = torch.empty(rows, c.n_embd, dtype=torch.bfloat16, device="meta")
-    cache.pos, cache.static = torch.tensor(200, device="meta"), True  # past the short window (128)
+    cache.pos, cache.static, cache.flash = torch.tensor(200, device="meta"), True, True  # past the short window
     token, noise = torch.zeros(rows, dtype=torch.long, device="meta"), torch.rand(rows, device="meta")
     try:
         with torch.no_grad():  # as generate runs it
