@@ -204,18 +204,37 @@ def test_a_flash_kernel_that_refuses_the_decode_steps_call_leaves_the_masked_att
 def forced_decode_logits(model, prompts, continuation, autocast):
     """Logits [rows, 1 + steps, V] of a prefill and of static decode steps on forced tokens; after half the steps the
     batch keeps rows 2 and 0, as a halving does."""
-    longest, steps = max(map(len, prompts)), continuation.size(1)
-    cache = KVCache(model.config.n_layer, torch.tensor([longest - len(p) for p in prompts]), longest + steps)
-    kept = torch.tensor([2, 0])
+    longest, steps, device = max(map(len, prompts)), continuation.size(1), model.lm_head.weight.device
+    cache = KVCache(model.config.n_layer, torch.tensor([longest - len(p) for p in prompts], device=device),
+                    longest + steps)
+    kept, continuation = torch.tensor([2, 0], device=device), continuation.to(device)
     with torch.no_grad(), autocast:
-        logits = [model(torch.tensor([[0] * (longest - len(p)) + p for p in prompts]), cache)[kept, -1]]
+        logits = [model(torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device), cache)[kept, -1]]
         cache.make_static(model.config.n_head)
         for i in range(steps):
             if i == steps // 2:
                 cache.select(kept)
             rows = kept if i >= steps // 2 else slice(None)
             logits.append(model(continuation[rows, i:i + 1], cache)[:, -1][kept if i < steps // 2 else slice(None)])
-    return torch.stack(logits, dim=1).double()
+    return torch.stack(logits, dim=1).double().cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("generation", ["classic", "smear-backout"])
+def test_on_a_gpu_the_decode_steps_flash_attention_computes_what_the_masked_one_does(generation, monkeypatch):
+    # the real kernel: flash attention over each row's written columns (cached_attention) against the masked
+    # attention over the whole cache, both in bf16, each against float64, a row dropped half-way
+    prompts = random_tokens(5, 40, 77)
+    model = random_model(generation).cuda()
+    continuation = torch.tensor(random_tokens(12, 12, 12, seed=2))
+    exact = forced_decode_logits(copy.deepcopy(model).double(), prompts, continuation, nullcontext())
+    bf16 = torch.autocast("cuda", dtype=torch.bfloat16)
+    monkeypatch.setitem(model_module.DECODE_FLASH, "failed", False)
+    flash = forced_decode_logits(model, prompts, continuation, bf16)
+    assert not model_module.DECODE_FLASH["failed"], "this GPU's flash kernel refused the decode step's call"
+    monkeypatch.setitem(model_module.DECODE_FLASH, "failed", True)  # the masked path
+    masked = forced_decode_logits(model, prompts, continuation, bf16)
+    assert (flash - exact).abs().max() <= 2 * (masked - exact).abs().max()
 
 
 @pytest.mark.slow
