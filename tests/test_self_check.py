@@ -23,6 +23,8 @@ def kernel_computing_half_of_each_span(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k
 def flash_on_the_cpu(monkeypatch):
     monkeypatch.setattr(model_module, "flash_varlen", lambda q: q.dtype in (torch.bfloat16, torch.float16))
     monkeypatch.setitem(model_module.DECODE_FLASH, "failed", False)
+    monkeypatch.setattr(model_module, "VARLEN_GQA", True)  # torch 2.12's kernel on, grouped heads and all
+
     def use(kernel):
         monkeypatch.setattr(model_module, "varlen_attn", kernel)
     return use
@@ -93,18 +95,24 @@ def kernel_missing_each_rows_newest_key(q, k, v, cu_seq_q, cu_seq_k, max_q, max_
     return strict_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k, **kwargs)
 
 
-@pytest.mark.parametrize("kernel, fault", [(strict_varlen_attn, None), (kernel_missing_each_rows_newest_key, True)])
+@pytest.mark.parametrize("kernel, fault, start", [(strict_varlen_attn, None, "demo"),
+                                                  (kernel_missing_each_rows_newest_key, True, "demo"),
+                                                  (strict_varlen_attn, None, "fixture"),
+                                                  (kernel_missing_each_rows_newest_key, True, "fixture")])
 def test_the_self_check_covers_a_gpus_decode_step_over_each_rows_written_columns(tmp_path, capsys, flash_on_the_cpu,
-                                                                                kernel, fault):
+                                                                                kernel, fault, start, request):
     # --decode static on the CPU with the flash branch forced: each decode step's attention is varlen_attn over the
-    # rows' written columns (seqused_k), as a GPU run's captured step; the check's sampler log-probs cover it
+    # rows' written columns (seqused_k), as a GPU run's captured step; the check's sampler log-probs cover it, on the
+    # demo's fresh model and on a fixture checkpoint with GSM8K's settings
     flash_on_the_cpu(kernel)
+    argv = FLAGS + ["--runs-dir", str(tmp_path)] if start == "demo" else fixture_flags(
+        tmp_path, request.getfixturevalue("gsm8k_dir"), "smear-backout", "--dtype", "bfloat16")
     if not fault:
-        grpo.main(FLAGS + ["--decode", "static", "--runs-dir", str(tmp_path)])
+        grpo.main(argv + ["--decode", "static"])
         assert "the sampler's decode (--decode static)" in capsys.readouterr().out
         return
     with pytest.raises(SystemExit) as stop:
-        grpo.main(FLAGS + ["--decode", "static", "--runs-dir", str(tmp_path)])
+        grpo.main(argv + ["--decode", "static"])
     message = str(stop.value.code)
     assert message.startswith("error: self-check: the sampler's decode (--decode static)") and "--decode dynamic" in \
         message and "\n" not in message
