@@ -17,13 +17,12 @@ With several generations (same shape), their timings interleave, so that a busy 
 import argparse
 import os
 import sys
-import time
 from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_shared import describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import describe, gsm8k_reply_lengths, stopping_at, timed  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,16 +63,6 @@ print(f"model: {args.n_layer} layers, n_embd {args.n_embd}, vocab {args.vocab_si
       f"decode {args.decode}{', compiled' if args.compile else ''}")
 
 
-def timed(fn, model):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    tokens = fn(model)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return tokens, time.perf_counter() - start
-
-
 def batched(model):
     with stopping_at(lengths, tokenizer.assistant_end) if args.real_lengths else nullcontext():
         out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
@@ -109,7 +98,7 @@ with autocast:
         runs = {generation: [] for generation in models}
         for _ in range(args.repeats):
             for generation, model in models.items():
-                runs[generation].append(timed(fn, model))
+                runs[generation].append(timed(lambda: fn(model), device.type == "cuda"))
         for generation, timings in runs.items():
             rates = sorted(tokens / seconds for tokens, seconds in timings)
             spread = f" (range {rates[0]:.0f}-{rates[-1]:.0f} over {args.repeats} runs)" if args.repeats > 1 else ""
