@@ -91,3 +91,34 @@ def pytest_collection_modifyitems(config, items):
             if "slow" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="slow: run with --slow"))
     items.sort(key=lambda item: not any(key in item.nodeid or key in item.fixturenames for key in LONG_FIRST))
+
+
+# Equal up to rounding: two computations that differ only in the order of their float32 sums (ranks, passes,
+# packing). No absolute tolerance tuned on one processor: the bounds scale with what is summed.
+UNIT_ROUNDOFF = 2.0 ** -24  # float32's unit roundoff u: one rounding moves a value by at most u x itself
+
+
+def assert_same_sum(a, b, terms):
+    """a and b: one sum (or mean) of `terms` non-negative float32 values, added in two orders. A float32 sum of n
+    such terms is within (n - 1) u of its exact value, relatively (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2002, eq. 4.4), so the two are within twice that of each other."""
+    assert abs(a - b) <= 2 * (terms - 1) * UNIT_ROUNDOFF * max(abs(a), abs(b)), (a, b, terms)
+
+
+# How far two runs' weights (and losses) may part, as a share of how far a step moved them (of the loss's size). A
+# step is learning-rate sized (1e-3 in the rank tests, 0.2 x a scale for nanochat's embeddings) and its rounding
+# scales with it, so no absolute tolerance holds for both. The last bits that another summation order changes in a
+# gradient are amplified where AdamW divides a near-zero gradient element by its own size, by Muon's
+# orthogonalisation, and by a second step on the same batch: measured on 2026-11-27 (AMD EPYC, torch 2.13.0), up to
+# 6e-4 of the step (grpo on the classic fixture, 2 ranks; 5e-5 for reinforce on smear-backout, whose 1.9e-6 an
+# absolute 1e-6 refused on an Intel CPU). A hundredth leaves room for other processors and stays far below a real
+# difference (a missed or doubled micro-batch, another row's gradient, a loss off by a factor: order 1).
+SAME_STEP_SHARE = 1e-2
+
+
+def assert_same_steps(a, b, start):
+    """State dicts a and b, each the weights after the same steps from `start` (a state dict), taken in another
+    summation order: each tensor's largest difference is at most SAME_STEP_SHARE of how far the tensor moved."""
+    for k, v in a.items():
+        moved = (v - start[k]).abs().max().item()
+        assert (v - b[k]).abs().max().item() <= SAME_STEP_SHARE * moved, (k, (v - b[k]).abs().max().item(), moved)

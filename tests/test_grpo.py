@@ -14,7 +14,7 @@ import grpo
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
-from conftest import GSM8K_DIR, free_port
+from conftest import GSM8K_DIR, SAME_STEP_SHARE, assert_same_steps, assert_same_sum, free_port
 from rank_runs import copy_without_step, rehearsal
 from test_generations import FIXTURES
 
@@ -965,13 +965,12 @@ def test_the_main_command_rehearsed_on_one_process_and_two_ranks(rank_runs, name
     assert [len(s) for s in steps] == [2, 2] and [m["eval_examples"] for m in logs[1] if "eval_reward" in m] == [2, 2]
     assert [m["reward"] for m in steps[0]] == [m["reward"] for m in steps[1]]  # the same replies, the same scores
     assert 0 < steps[0][0]["reward"] < 1 and steps[0][0]["equal_group_frac"] < 1  # an update with something to learn
-    assert steps[0][0]["loss"] == pytest.approx(steps[1][0]["loss"], rel=1e-3, abs=1e-5)
+    assert abs(steps[0][0]["loss"] - steps[1][0]["loss"]) <= SAME_STEP_SHARE * abs(steps[0][0]["loss"])
     tag = "d4"
     start = load_checkpoint(os.path.join(FIXTURES, REHEARSALS[name][0], "base", "chatsft_checkpoints", tag))[0]
     one, two = (load_checkpoint(str(runs[ranks] / "chatrl_checkpoints" / tag), 1)[0].state_dict() for ranks in (1, 2))
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in one.items())  # the step moved the weights
-    for k in one:  # ranks sum in another order: the same step up to float rounding (as the rank tests)
-        torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
+    assert_same_steps(one, two, start.state_dict())  # ranks sum in another order: the same step up to rounding
     # written back in the start checkpoint's format and generation: nanochat loads it
     start_dir = os.path.join(FIXTURES, REHEARSALS[name][0], "base", "chatsft_checkpoints", tag)
     original = torch.load(os.path.join(start_dir, "model_000650.pt"), weights_only=True)
@@ -1004,8 +1003,7 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
         setting[-2:] if setting.startswith("muon") else config["optimizer_version"])
     compared = 1 if setting.startswith("muon") else 3
     a, b = weights(single, compared), weights(ddp, compared)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert_same_steps(a, b, start.state_dict())
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in weights(ddp, 3).items())  # steps were taken
     if setting == "muon-v5":  # sharded or not, 2 ranks add the same two gradients: the same weights, bit for bit
         whole = weights("muon-v5-whole", 3)
@@ -1014,10 +1012,10 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
     logs = [[json.loads(line) for line in open(rank_runs / n / "metrics.jsonl")] for n in (single, ddp)]
     train = [[m for m in log if "reward" in m] for log in logs]
     assert train[0][0]["reward"] == train[1][0]["reward"]
-    assert train[0][0]["loss"] == pytest.approx(train[1][0]["loss"], abs=1e-6)
-    if setting == "distill-forward":  # the teacher's term, as one process takes it
-        assert train[0][0]["teacher_kl"] > 0 and train[0][0]["teacher_kl"] == pytest.approx(
-            train[1][0]["teacher_kl"], rel=1e-5)
+    assert abs(train[0][0]["loss"] - train[1][0]["loss"]) <= SAME_STEP_SHARE * abs(train[0][0]["loss"])
+    if setting == "distill-forward":  # the teacher's term, as one process takes it: a mean of per-token KLs (>= 0)
+        assert train[0][0]["teacher_kl"] > 0
+        assert_same_sum(train[0][0]["teacher_kl"], train[1][0]["teacher_kl"], train[0][0]["tokens_sampled"])
     # each rank holds about half of the optimizer state
     state = [train[0][-1]["optimizer_state_mb"], train[1][-1]["optimizer_state_mb"]]
     assert 0.4 * state[0] < state[1] <= 0.6 * state[0]
@@ -1032,6 +1030,8 @@ def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, 
     # from it, each keeping its own share. 2 -> 2 is exact; 2 -> 1 and 1 -> 2 go on within the rank tests' tolerance.
     # The runs on 2 ranks were resumed in rank_runs' launch, from copies without their step-4 checkpoint.
     straight = {name: final_state(rank_runs, f"resume-{name}", 4) for name in ("single", "ddp")}
+    start = GPT(GPTConfig(**json.load(open(rank_runs / "resume-single" / "chatrl_checkpoints" / "d2" / (
+        "meta_000004.json")))["model_config"])).init_weights(0).state_dict()  # the demo's initial weights
     resumes = {"ddp-on-2": ("ddp", rank_runs), "ddp-on-1": ("ddp", tmp_path), "single-on-2": ("single", rank_runs)}
     copy_without_step(rank_runs / "resume-ddp", tmp_path / "ddp-on-1", 4)
     capsys.readouterr()
@@ -1048,11 +1048,10 @@ def test_a_sharded_run_resumes_on_as_many_or_another_number_of_ranks(rank_runs, 
         assert ("world_size 2 -> 1" in log) == (name == "ddp-on-1") and ("world_size 1 -> 2" in log) == (
             name == "single-on-2")
         resumed = final_state(folder, name, 4)
-        for k, v in straight[source].items():
-            if name == "ddp-on-2":
-                assert torch.equal(resumed[k], v), k
-            else:
-                torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-6)
+        if name == "ddp-on-2":
+            assert all(torch.equal(resumed[k], v) for k, v in straight[source].items())
+        else:
+            assert_same_steps(resumed, straight[source], start)
 
 
 def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
