@@ -71,9 +71,10 @@ from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Tokenizer, atomic_sa
 from tasks import GraderError, build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
 
+
 # -----------------------------------------------------------------------------
-# The objective: small functions on plain tensors, each term in exactly one place (the few that all-reduce over
-# the ranks, which every rank must then call, say so)
+# The objective's core terms: small functions on plain tensors, each term in exactly one place. The variants
+# that flags switch on (other advantages, losses and rewards, the teacher's two forms) follow the step, below.
 
 def group_advantages(rewards, kind, eps=1e-4):
     """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group (kind "batch": an
@@ -94,33 +95,11 @@ def group_advantages(rewards, kind, eps=1e-4):
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def term_advantages(reward_parts, weights, eps=1e-4):
-    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
-    (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
-    would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
-    ranks (an all-reduce). reward_parts [P, G, K] -> [P, G]."""
-    summed = sum(w * group_advantages(reward_parts[..., k], "zscore") for k, w in enumerate(weights))
-    return summed / (std_over_ranks(summed) + eps)
-
-
-def std_over_ranks(values):
-    """The unbiased std of these values over the step's replies on all ranks (one all-reduce)."""
-    count, total, squares = all_reduce(torch.stack([torch.tensor(values.numel(), dtype=torch.float64,
-                                                                 device=values.device),
-                                                    values.double().sum(), values.double().square().sum()]))
-    return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
-
-
-def sequence_log_ratio(log_ratio, loss_mask):
-    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its exponential
-    is the length-normalised ratio of the whole reply's likelihood; its gradient reaches every token of the reply."""
-    return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
-
-
 def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
     """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
-    advantages [B, 1] -> (loss, clipped), shaped like log_ratio. With pi_old = pi_theta detached the ratio is
-    exactly 1 and the gradient is A * grad(log pi): plain REINFORCE."""
+    advantages [B, 1], or [B, T] with the sampled teacher's per-token term -> (loss, clipped), shaped like their
+    product. With pi_old = pi_theta detached the ratio is exactly 1 and the gradient is A * grad(log pi): plain
+    REINFORCE."""
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -131,26 +110,6 @@ def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
         dual = (advantages < 0) & (loss > -clip_c * advantages)
         loss, was_clipped = torch.where(dual, -clip_c * advantages, loss), was_clipped | dual
     return loss, was_clipped
-
-
-def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, its eq. 4): the importance weight rho is clipped and detached, and
-    every token keeps the gradient A * weight * grad(log pi), however far its ratio has moved (PPO's clip drops the
-    token instead). logprobs, log_ratio [B, T]; advantages [B, 1] -> (loss, clipped). With rho = 1 (pi_old =
-    pi_theta): -A log pi, whose gradient is plain REINFORCE's."""
-    ratio = torch.exp(log_ratio.detach())
-    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    return -weight * advantages * logprobs, weight != ratio
-
-
-def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
-    """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
-    tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
-    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
-    -> (loss, clipped: nothing is, all False)."""
-    tau = torch.where(advantages > 0, tau_pos, tau_neg)
-    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
-    return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator):
@@ -174,35 +133,11 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
     return torch.exp(-log_ratio) + log_ratio - 1  # k3: always >= 0
 
 
-@torch.no_grad()
-def kl_reward_penalty(old_logprobs, ref_logprobs, sampled_mask, kl_coef):
-    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over every token the policy
-    sampled ([N, T] -> [N]; also in a reply that --mask-truncated or --drop-equal-groups leave out of the loss: it
-    still counts in its group's mean and std), to subtract from its reward before the advantages (detached: a
-    reward, not a loss term). Through the policy term its expected gradient is beta x that of KL(pi_theta ||
-    pi_ref) of whole replies, the unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it
-    like any reward, so an all-equal group's advantages are the spread of its KLs: beta-sized under mean and rloo,
-    / the step's std under batch, unit-sized under zscore (docs/algorithm.md)."""
-    return kl_coef * ((old_logprobs - ref_logprobs) * sampled_mask).sum(dim=1)
-
-
 # The aggregation: the per-token losses of a minibatch -> one number, the same on any number of ranks and
 # micro-batches. loss_denominator counts (over ranks: summed); aggregate divides each micro-batch's share. nanochat's
 # aggregation is its RL loss: a question's G replies are taken in passes (nanochat's device batch, here
 # --pass-size), each pass's summed loss is divided by the pass's tokens, and the passes are averaged; so its
 # denominator is per row (pass_normalisers x the minibatch's replies: micro_batch_denominator).
-
-def pass_normalisers(loss_mask, G, pass_size):
-    """nanochat's aggregation: loss_mask [N, T] -> [N]: per row, its pass's tokens x the question's passes / G, so
-    that each reply's sum divided by this, averaged over all replies, is nanochat's loss (when pass_size divides G:
-    the mean reply length of the pass)."""
-    N = loss_mask.size(0)
-    passes = -(-G // pass_size)  # per question
-    row = torch.arange(N, device=loss_mask.device)
-    pass_of_row = row // G * passes + row % G // pass_size  # [N]
-    tokens = torch.zeros(N // G * passes, device=loss_mask.device).index_add_(0, pass_of_row, loss_mask.sum(dim=1))
-    return tokens.clamp(min=1)[pass_of_row] * (passes / G)  # an empty pass: nanochat's max(1, tokens), its loss is 0
-
 
 def loss_denominator(loss_mask, kind, max_new_tokens):
     """This rank's share of the aggregation's denominator; summed over ranks before use."""
@@ -232,51 +167,22 @@ def aggregate(per_token, loss_mask, kind, denominator):
     return summed.sum() / denominator
 
 
-def rollout_weights(sampler_gap, kind, cap):
-    """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
-    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
-    else 0."""
-    ratio = torch.exp(sampler_gap)
-    return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
-
-
-def forward_kl(student, teacher):
-    """KL(pi_teacher || pi_theta) at each position, over the teacher's top-k tokens and one bucket for the mass of
-    all the others (GKD's forward KL, on the student's own prefixes; exact when k covers the vocabulary):
-        sum_v p_T(v) (log p_T(v) - log p_theta(v)) + p_T(rest) (log p_T(rest) - log p_theta(rest)).
-    Its gradient, -sum_v p_T(v) grad log p_theta(v) (and the bucket's), pulls up every token the teacher likes, in
-    proportion to the teacher's probability: also those the student does not yet sample (the sampled reverse KL's
-    pull on a token is proportional to the student's own probability of it). student, teacher: (log-probs at the
-    teacher's top-k [B, T, k], log-mass of the rest [B, T] or None) -> [B, T]."""
-    (student_top, student_rest), (teacher_top, teacher_rest) = student, teacher
-    p = teacher_top.exp()
-    kl = (torch.xlogy(p, p) - p * student_top).sum(dim=-1)  # xlogy: 0 log 0 = 0
-    if teacher_rest is not None:
-        p_rest = teacher_rest.exp()
-        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * student_rest
-    return kl
-
-
 def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, args, student_top=None):
     """One micro-batch's share of the loss: the terms above, as in the docstring. logprobs and entropy [B, T] carry
     the gradient; frozen holds the log-probs that do not: "old" (pi_old), "sampler" (as drawn), "ref" (None: no KL)
-    and "teacher" (None: no distillation; with --distill-divergence forward the teacher's top-k log-probs and rest,
-    and student_top the student's at the same tokens, with the gradient); advantages [B, 1]. -> (loss, its parts
-    for the statistics)"""
+    and the teacher's: "teacher" (--distill-divergence sampled: its log-probs of the sampled tokens [B, T]) or
+    "teacher_top" (forward: its top-k log-probs and rest, and student_top the student's at the same tokens, with the
+    gradient), None without distillation; advantages [B, 1] (made [B, T] here by the sampled teacher). -> (loss, its
+    parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
     logprobs = torch.where(keep, logprobs, 0.0)
-    old, sampler, ref, teacher = (torch.where(keep, frozen[k], 0.0) if torch.is_tensor(frozen[k]) else frozen[k]
+    old, sampler, ref, teacher = (torch.where(keep, frozen[k], 0.0) if frozen[k] is not None else None
                                   for k in ("old", "sampler", "ref", "teacher"))
     parts = {}
-    if teacher is not None and student_top is None:
-        # On-policy distillation: every token the student sampled gains the advantage lambda * (log pi_teacher(o_t) -
-        # log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta || pi_teacher) at that
-        # position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of that KL
-        # (docs/algorithm.md). Added to the reply's group advantage, so reward and teacher can teach together.
-        parts["teacher_kl"] = old - teacher  # [B, T], the sampled reverse KL
-        advantages = advantages - args.distill_coef * parts["teacher_kl"]  # [B, 1] -> [B, T]
+    if teacher is not None:  # the sampled teacher: a per-token advantage, [B, 1] -> [B, T]
+        advantages, parts["teacher_kl"] = sampled_teacher_advantages(advantages, old, teacher, args.distill_coef)
     log_ratio = logprobs - old  # [B, T]
     if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
         log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
@@ -306,7 +212,7 @@ def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, arg
     if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
         loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
     if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
-        teacher_kl = forward_kl(student_top, teacher) * keep  # [B, T]
+        teacher_kl = forward_kl(student_top, frozen["teacher_top"]) * keep  # [B, T]
         parts["teacher_kl"] = teacher_kl.detach()
         loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
     return loss, parts
@@ -314,12 +220,6 @@ def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, arg
 
 # -----------------------------------------------------------------------------
 # Sampling and scoring groups
-
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
-    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
-
 
 def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     """G replies to each of these questions, scored -> indices [P], prompts, samples (P * G rows), the task's reward
@@ -365,30 +265,6 @@ def signal_less_groups(groups, args):
     return equal_groups(groups["rewards"], groups["reward_parts"] if args.reward_combination != "sum" else None)
 
 
-def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
-    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
-    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
-    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
-    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
-    "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
-    policy's own reward in the log, and the lengths of all their replies; rounds)"""
-    wanted, G = len(first["prompts"]), args.num_samples
-    parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
-    while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
-        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
-        indices = draw.sample(range(len(task)), min(wanted, len(task)))
-        seeds = [draw.getrandbits(62) for _ in indices]
-        parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
-        differing.append(~signal_less_groups(parts[-1], args))
-    kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
-            for g in range(len(d)) if bool(d[g]) == want][:wanted]
-    groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
-    samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
-    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
-    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
-    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
-
-
 # -----------------------------------------------------------------------------
 # One step of training: the batch, the frozen log-probs, the update
 
@@ -396,7 +272,8 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
     padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
     The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
-    host, with the update's micro-batches planned (plan_micro_batches), so the update never waits for the device.
+    host, with the update's micro-batches planned (plan_micro_batches, below the banner), so the update never waits for
+    the device.
     static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come).
     reward_parts [P, G, terms + 1] (sample_groups): for --reward-combination normalize-then-sum. Every rank builds
     its batch: the advantages may all-reduce (--advantage batch, normalize-then-sum)."""
@@ -435,35 +312,6 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     batch["micro_batches"], batch["minibatch_totals"], batch["row_minibatch"] = plan_micro_batches(batch, args,
                                                                                                   static)
     return batch
-
-
-def plan_micro_batches(batch, args, static=None):
-    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
-    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
-    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
-    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
-    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
-    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
-    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
-    widths = batch["widths"].tolist()
-    N, G = len(widths), args.num_samples
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
-    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
-    micro_batches, totals = [], []
-    for j in range(args.num_minibatches):
-        rows = [r for r in range(N) if row_minibatch[r] == j]
-        mask = batch["loss_mask"][rows]
-        totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
-        if args.pack and args.device_batch_size is None:
-            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
-            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
-        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
-    return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
 def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
@@ -539,7 +387,8 @@ def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, ad
     logprobs, entropy, *student_top = logprobs_of(model, mb, args, with_entropy=True,
                                                   top_ids=teacher_logprobs["ids"] if forward else None)
     frozen = dict(old=logprobs.detach() if old_logprobs is None else old_logprobs, sampler=mb["sampler_logprobs"],
-                  ref=ref_logprobs, teacher=teacher_logprobs["logprobs"] if forward else teacher_logprobs)
+                  ref=ref_logprobs, teacher=None if forward else teacher_logprobs,
+                  teacher_top=teacher_logprobs["logprobs"] if forward else None)
     loss, parts = objective(logprobs, entropy, frozen, advantages, mb["loss_mask"], denominator, args,
                             student_top or None)
     return loss, parts, logprobs.detach()
@@ -573,15 +422,6 @@ def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
     return old_logprobs, ref_logprobs, teacher_logprobs
 
 
-def kl_reward_advantages(batch, old_logprobs, ref_logprobs, args):
-    """--kl-placement reward: the group-relative advantages of r_i - beta sum_t k1_t (kl_reward_penalty) -> [N]."""
-    penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
-    for mb, old, ref in zip(batch["micro_batches"], old_logprobs, ref_logprobs):
-        penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
-    rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
-    return group_advantages(rewards, args.advantage).flatten()
-
-
 def minibatch_step(model, optimizers, stats, minibatch_loss, learns, args, owners):
     """A minibatch's optimizer step, after its backward passes: on a zero gradient without policy signal, on the
     gradients summed over ranks (each rank's loss is its share of the global mean), never on a non-finite loss.
@@ -605,15 +445,6 @@ def signal_tokens(batch, args):
     per_row = batch["loss_mask"].sum(dim=1) * (advantages != 0)  # [N]
     return torch.zeros(args.num_minibatches, 1, dtype=torch.float64, device=advantages.device).index_add_(
         0, batch["row_minibatch"], per_row.double()[:, None])
-
-
-def reset_reference(model, ref_model, optimizers, step, args):
-    """DeepSeekMath's iterative variant: the reference moves to the current policy every --ref-reset-every steps."""
-    if args.lora_rank:  # the reference is the base: fold the adapters into it and restart them, Adam's moments too
-        model.merge_lora(seed=args.seed + step)
-        optimizers[0].state.clear()
-    else:
-        ref_model.load_state_dict(model.state_dict())
 
 
 def train(args, run):
@@ -647,6 +478,160 @@ def train(args, run):
         times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
                      time_update=time.time() - update_start - time_logprobs)
         end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start)
+
+
+# -----------------------------------------------------------------------------
+# The variants: each a flag's change to a term above (the few that all-reduce over the ranks, which every rank
+# must then call, say so)
+
+def term_advantages(reward_parts, weights, eps=1e-4):
+    """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group
+    (whatever --advantage says: centring alone would keep the terms' proportions, and a 0/1 term next to a 0/10 one
+    would still be drowned), weighted and summed, then divided by the std of that sum over the step's replies on all
+    ranks (an all-reduce). reward_parts [P, G, K] -> [P, G]."""
+    summed = sum(w * group_advantages(reward_parts[..., k], "zscore") for k, w in enumerate(weights))
+    return summed / (std_over_ranks(summed) + eps)
+
+
+def std_over_ranks(values):
+    """The unbiased std of these values over the step's replies on all ranks (one all-reduce)."""
+    count, total, squares = all_reduce(torch.stack([torch.tensor(values.numel(), dtype=torch.float64,
+                                                                 device=values.device),
+                                                    values.double().sum(), values.double().square().sum()]))
+    return ((squares - total ** 2 / count) / (count - 1)).clamp(min=0).sqrt().float()
+
+
+def sequence_log_ratio(log_ratio, loss_mask):
+    """GSPO: one log-ratio per reply, the mean of its policy tokens' log-ratios. [B, T] -> [B, 1]. Its exponential
+    is the length-normalised ratio of the whole reply's likelihood; its gradient reaches every token of the reply."""
+    return (log_ratio * loss_mask).sum(dim=1, keepdim=True) / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, its eq. 4): the importance weight rho is clipped and detached, and
+    every token keeps the gradient A * weight * grad(log pi), however far its ratio has moved (PPO's clip drops the
+    token instead). logprobs, log_ratio [B, T]; advantages [B, 1] or [B, T] -> (loss, clipped). With rho = 1
+    (pi_old = pi_theta): -A log pi, whose gradient is plain REINFORCE's."""
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
+    """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
+    tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
+    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
+    -> (loss, clipped: nothing is, all False)."""
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
+    return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
+
+
+def rollout_weights(sampler_gap, kind, cap):
+    """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
+    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
+    else 0."""
+    ratio = torch.exp(sampler_gap)
+    return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
+
+
+@torch.no_grad()
+def kl_reward_penalty(old_logprobs, ref_logprobs, sampled_mask, kl_coef):
+    """--kl-placement reward: beta x each reply's summed k1, log pi_old - log pi_ref over every token the policy
+    sampled ([N, T] -> [N]; also in a reply that --mask-truncated or --drop-equal-groups leave out of the loss: it
+    still counts in its group's mean and std), to subtract from its reward before the advantages (detached: a
+    reward, not a loss term). Through the policy term its expected gradient is beta x that of KL(pi_theta ||
+    pi_ref) of whole replies, the unbiased placement ("A Comedy of Estimators", 2025); group normalisation sees it
+    like any reward, so an all-equal group's advantages are the spread of its KLs: beta-sized under mean and rloo,
+    / the step's std under batch, unit-sized under zscore (docs/algorithm.md)."""
+    return kl_coef * ((old_logprobs - ref_logprobs) * sampled_mask).sum(dim=1)
+
+
+def kl_reward_advantages(batch, old_logprobs, ref_logprobs, args):
+    """--kl-placement reward: the group-relative advantages of r_i - beta sum_t k1_t (kl_reward_penalty) -> [N]."""
+    penalty = torch.zeros_like(batch["advantages"], dtype=ref_logprobs[0].dtype)  # [N]
+    for mb, old, ref in zip(batch["micro_batches"], old_logprobs, ref_logprobs):
+        penalty[mb["rows"]] = kl_reward_penalty(old, ref, mb["sampled_mask"], args.kl_coef)
+    rewards = batch["rewards"].to(penalty.device) - penalty.view_as(batch["rewards"])
+    return group_advantages(rewards, args.advantage).flatten()
+
+
+def pass_normalisers(loss_mask, G, pass_size):
+    """nanochat's aggregation: loss_mask [N, T] -> [N]: per row, its pass's tokens x the question's passes / G, so
+    that each reply's sum divided by this, averaged over all replies, is nanochat's loss (when pass_size divides G:
+    the mean reply length of the pass)."""
+    N = loss_mask.size(0)
+    passes = -(-G // pass_size)  # per question
+    row = torch.arange(N, device=loss_mask.device)
+    pass_of_row = row // G * passes + row % G // pass_size  # [N]
+    tokens = torch.zeros(N // G * passes, device=loss_mask.device).index_add_(0, pass_of_row, loss_mask.sum(dim=1))
+    return tokens.clamp(min=1)[pass_of_row] * (passes / G)  # an empty pass: nanochat's max(1, tokens), its loss is 0
+
+
+def sampled_teacher_advantages(advantages, old, teacher, coef):
+    """--distill-divergence sampled, the teacher's per-token advantage: every token the student sampled gains coef *
+    (log pi_teacher(o_t) - log pi_old(o_t)), frozen: minus the one-sample estimate of the reverse KL(pi_theta ||
+    pi_teacher) at that position, whose policy gradient (discount 0: no later token's term) is exactly the gradient of
+    that KL (docs/algorithm.md). Added to the reply's group advantage, so reward and teacher can teach together.
+    advantages [B, 1]; old, teacher [B, T] -> (advantages [B, T], the sampled reverse KL [B, T])."""
+    teacher_kl = old - teacher
+    return advantages - coef * teacher_kl, teacher_kl
+
+
+def forward_kl(student, teacher):
+    """KL(pi_teacher || pi_theta) at each position, over the teacher's top-k tokens and one bucket for the mass of
+    all the others (GKD's forward KL, on the student's own prefixes; exact when k covers the vocabulary):
+        sum_v p_T(v) (log p_T(v) - log p_theta(v)) + p_T(rest) (log p_T(rest) - log p_theta(rest)).
+    Its gradient, -sum_v p_T(v) grad log p_theta(v) (and the bucket's), pulls up every token the teacher likes, in
+    proportion to the teacher's probability: also those the student does not yet sample (the sampled reverse KL's
+    pull on a token is proportional to the student's own probability of it). student, teacher: (log-probs at the
+    teacher's top-k [B, T, k], log-mass of the rest [B, T] or None) -> [B, T]."""
+    (student_top, student_rest), (teacher_top, teacher_rest) = student, teacher
+    p = teacher_top.exp()
+    kl = (torch.xlogy(p, p) - p * student_top).sum(dim=-1)  # xlogy: 0 log 0 = 0
+    if teacher_rest is not None:
+        p_rest = teacher_rest.exp()
+        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * student_rest
+    return kl
+
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong penalty, added to the reward: 0 up to max_len - buffer tokens, then falling linearly
+    to -1 at max_len (a reply is cut there, so -1 is also what longer ones would get). lengths [N] -> [N]."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
+
+
+def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
+    """DAPO's dynamic sampling: keep only groups whose rewards differ (the others have zero advantages), drawing
+    more questions until there are as many as the step's share, for at most --max-sampling-rounds rounds in all;
+    if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
+    step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
+    "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
+    policy's own reward in the log, and the lengths of all their replies; rounds)"""
+    wanted, G = len(first["prompts"]), args.num_samples
+    parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
+    while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
+        draw = random.Random(f"{args.seed}-{step}-{rank}-round{len(parts)}")
+        indices = draw.sample(range(len(task)), min(wanted, len(task)))
+        seeds = [draw.getrandbits(62) for _ in indices]
+        parts.append(sample_groups(model, tokenizer, task, indices, seeds, args, autocast))
+        differing.append(~signal_less_groups(parts[-1], args))
+    kept = [(p, g) for want in (True, False) for p, d in enumerate(differing)  # differing groups first
+            for g in range(len(d)) if bool(d[g]) == want][:wanted]
+    groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
+    samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
+    drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
+    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
+    return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
+
+
+def reset_reference(model, ref_model, optimizers, step, args):
+    """DeepSeekMath's iterative variant: the reference moves to the current policy every --ref-reset-every steps."""
+    if args.lora_rank:  # the reference is the base: fold the adapters into it and restart them, Adam's moments too
+        model.merge_lora(seed=args.seed + step)
+        optimizers[0].state.clear()
+    else:
+        ref_model.load_state_dict(model.state_dict())
 
 
 # =============================================================================
@@ -2845,6 +2830,35 @@ def teacher_top_logprobs(teacher, mb, args):
     ids, top, rest = teacher.top_logprobs(mb["input_ids"], args.distill_top_k, args.temperature,
                                           positions=mb["positions"], pack=mb.get("pack"))
     return {"ids": ids, "logprobs": (in_rows(top, mb), in_rows(rest, mb))}
+
+
+def plan_micro_batches(batch, args, static=None):
+    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
+    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
+    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
+    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
+    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
+    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
+    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
+    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
+    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
+    widths = batch["widths"].tolist()
+    N, G = len(widths), args.num_samples
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
+    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
+    micro_batches, totals = [], []
+    for j in range(args.num_minibatches):
+        rows = [r for r in range(N) if row_minibatch[r] == j]
+        mask = batch["loss_mask"][rows]
+        totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
+        if args.pack and args.device_batch_size is None:
+            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
+        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
+            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
+            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
+        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
+    return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
 def first_fit_decreasing(rows, widths, budget):
