@@ -719,8 +719,9 @@ arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
 arg("--ref-offload", action="store_true",
     help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
-arg("--distill-coef", type=float, help="on-policy distillation: each token's advantage gains this x (log pi_teacher - "
-    "log pi_old) of the token sampled (needs --teacher)")
+arg("--distill-coef", type=float, help="on-policy distillation's weight lambda (needs --teacher): with "
+    "--distill-divergence sampled each sampled token's advantage gains lambda x (log pi_teacher - log pi_old); with "
+    "forward the loss gains lambda x KL(pi_teacher || pi_theta) at each position")
 arg("--distill-divergence", default=None, choices=["sampled", "forward"], help="--distill-coef's term: "
     "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
@@ -1232,6 +1233,16 @@ def check_config(args):
         (min(lrs) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
         (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
+    ] + setup_problems(args)
+    for bad, message in problems:
+        if bad:
+            parser.error(message)
+
+
+def setup_problems(args):
+    """check_config's checks of what a run is set up on: the start model, the adapters and copies, the device, the
+    run folder, the evals -> [(bad, message)]."""
+    return [
         (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
          or (args.n_embd // max(1, args.n_head)) % 2,
          f"scratch model: --depth, --n-head >= 1 and --n-embd a multiple of --n-head with an even head size "
@@ -1261,9 +1272,6 @@ def check_config(args):
         (args.wandb and importlib.util.find_spec("wandb") is None,
          "--wandb needs the wandb package: pip install wandb"),
     ]
-    for bad, message in problems:
-        if bad:
-            parser.error(message)
 
 
 # -----------------------------------------------------------------------------

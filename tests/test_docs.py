@@ -101,6 +101,16 @@ def test_no_line_of_the_trainer_is_over_120_characters():
     assert not long_lines
 
 
+def test_no_prose_line_of_the_readme_is_over_120_characters():
+    # tables and code blocks aside: a table row is one line, a command is copied whole
+    lines, in_code, long_lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines(), False, []
+    for number, line in enumerate(lines, 1):
+        in_code ^= line.startswith("```")
+        if not in_code and not line.startswith(("|", "```")) and len(line) > 120:
+            long_lines.append(number)
+    assert not long_lines
+
+
 def test_help_shows_each_flags_own_default():
     text = grpo.parser.format_help()
     assert "replies per question (the group size G) (default: 16)" in text and "(default: None)" not in text
