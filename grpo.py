@@ -1922,7 +1922,8 @@ def unusable_checkpoint(flag, error, steps):
     others = [s for s in steps if s != step]
     listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
     if not others:
-        instead = f"it is the only step in {folder}: copy that file again from where it came"
+        instead = ("no other step of the run has its training state" if flag == "--resume" else
+                   f"it is the only step in {folder}: copy that file again from where it came")
     else:
         other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
         instead = {"--init": f"start from step {other} instead (--init-step {other}; the folder holds steps {listed})",

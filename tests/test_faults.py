@@ -427,6 +427,23 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_way_on(entry, 
 
 
 @pytest.mark.xdist_group("pristine")
+def test_a_damaged_only_step_says_to_go_on_from_another_checkpoint(pristine, tmp_path, monkeypatch):
+    # With no other step to fall back on, the line says so and names the way on that is left.
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "no-nanochat"))
+    w = tmp_path / "w"
+    shutil.copytree(pristine, w)
+    for name in ("model_000001.pt", "meta_000001.json", "state_000001.pt"):
+        (w / CK / name).unlink()
+    (w / CK / "model_000002.pt").write_bytes(b"")
+    for extra, name, says in ((["--init", str(w / CK)], "fresh", "it is the only step in"),
+                              (["--resume"], "base", "no other step of the run has its training state")):
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main(flags(w, *extra, "--num-steps", "4", name=name))
+        message = exit_info.value.code
+        assert "model_000002.pt is damaged" in message and says in message and message.endswith("with --init"), message
+
+
+@pytest.mark.xdist_group("pristine")
 def test_a_checkpoint_file_cut_anywhere_is_named_as_damaged(pristine, tmp_path):
     # Every length a cut can leave, at a stride that lands in each of torch's failure bands (a few bytes: not a zip;
     # 4-69 KB: OSError EINVAL from its reader; beyond: no central directory), mapped (shapes only, resumes) or not.
