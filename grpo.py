@@ -65,9 +65,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Tokenizer, atomic_save, checkpoint_steps,
-                   find_checkpoint, flash_varlen_takes, generate, load_checkpoint, load_tensors, master_weight_names,
-                   master_weights, nanochat_base_dir, pack_rows, save_checkpoint, stop_signal, writing)
+from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, CheckpointFileError, Tokenizer, atomic_save,
+                   checkpoint_steps, error_summary, find_checkpoint, flash_varlen_takes, generate, load_checkpoint,
+                   load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows, save_checkpoint,
+                   stop_signal, writing)
 from tasks import GraderError, build, code_fingerprint, task_class, task_name
 from tasks.jsonl import GRADERS
 
@@ -1808,6 +1809,8 @@ def load_policy(args, log, shapes_only=False):
         model, meta = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
                                       window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
+    except CheckpointFileError as e:
+        unusable_checkpoint("--init", e, checkpoint_steps(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
@@ -1879,6 +1882,8 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
     try:
         teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
         teacher_tokenizer = Tokenizer.from_file(tokenizer_path(folder))
+    except CheckpointFileError as e:
+        unusable_checkpoint("--teacher", e, checkpoint_steps(folder))
     except (OSError, ValueError) as e:
         sys.exit(f"error: --teacher: {e}")
     reads = [(t.enc._pat_str, t.enc._mergeable_ranks, t.enc._special_tokens) for t in (tokenizer, teacher_tokenizer)]
@@ -1898,6 +1903,30 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
         digest.update(weights.read())
     log(f"teacher: {folder}, step {step}, {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters")
     return teacher, digest.hexdigest()
+
+
+def unusable_checkpoint(flag, error, steps):
+    """Exit with one line for a checkpoint file that is there but cannot be used (the CheckpointFileError names it
+    and what is wrong), and how to go on: from another step of its folder (steps: those saved there; for --resume,
+    those with training state), or from another checkpoint. The one place a damaged file becomes a message, for
+    --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint through one of these)."""
+    folder, name = os.path.split(error.path)
+    step = int(re.search(r"_(\d+)\.", name).group(1))
+    others = [s for s in steps if s != step]
+    listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
+    if not others:
+        instead = ("no other step of the run has its training state" if flag == "--resume" else
+                   f"it is the only step in {folder}: copy that file again from where it came")
+    else:
+        other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
+        instead = {"--init": f"start from step {other} instead (--init-step {other}; the folder holds steps {listed})",
+                   "--teacher": f"use its step {other} instead (--teacher-step {other}; the folder holds steps "
+                                f"{listed})",
+                   "--resume": f"move step {step}'s model, meta and state files out of the folder to resume from step "
+                               f"{other} (the steps with training state: {listed})"}[flag]
+    elsewhere = {"--init": "start from another checkpoint with --init", "--teacher": "name another --teacher",
+                 "--resume": "start a new run from a checkpoint with --init"}[flag]
+    sys.exit(f"error: {flag}: {error}; {instead}, or {elsewhere}")
 
 
 def tokenizer_path(checkpoint_dir):
@@ -2505,24 +2534,36 @@ def resume(args, run):
         run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()
                                                                    if k != "semantics")
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
-    files = ", ".join(os.path.join(checkpoint_dir, f"{kind}_{step:06d}.{ext}") for kind, ext in
-                      (("model", "pt"), ("meta", "json"), ("state", "pt")))
-    earlier = f"delete its files ({files}) to resume from step {saved[-2]}" if len(saved) > 1 else "it is the only one"
-    state_path = os.path.join(checkpoint_dir, f"state_{step:06d}.pt")
+    model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
     fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
     try:
         saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
-        run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)  # LoRA: merged, see below
+        try:  # LoRA: the file holds the merged weights, see below
+            run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)
+        except RuntimeError as e:  # a model file and its meta of another run
+            raise CheckpointFileError(model_path, f"{model_path} is not this run's model "
+                                      f"({error_summary(e)})") from None
         # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
-        state = load_tensors(state_path, mmap=True)
+        restore_training_state(run, load_tensors(state_path, mmap=True), state_path)
+    except CheckpointFileError as e:
+        unusable_checkpoint("--resume", e, saved)
+    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
+        for group, lr in zip(opt.param_groups, lrs):
+            group["initial_lr"] = lr
+    return step
+
+
+def restore_training_state(run, state, state_path):
+    """A state_<step>.pt's contents (master weights, optimizer states, the reference) into the run's model, optimizers
+    and reference; one that does not fit (another run's, a model file under its name) -> CheckpointFileError."""
+    try:
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
             raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
         # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
         run.model.load_state_dict(state["master_weights"], strict=False)
         if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
-            raise ValueError(f"{state_path} holds {len(state['optimizers'])} optimizers, the run has "
-                             f"{len(run.optimizers)}")
+            raise ValueError(f"it holds {len(state['optimizers'])} optimizers, the run has {len(run.optimizers)}")
         for opt, opt_state in zip(run.optimizers, state["optimizers"]):
             if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
                 params = [p for group in opt.param_groups for p in group["params"]]
@@ -2531,15 +2572,9 @@ def resume(args, run):
             opt.load_state_dict(opt_state)
         if run.ref_model not in (None, run.model):
             run.ref_model.load_state_dict(state["ref_model"])
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: --resume: the checkpoint of step {step} is damaged: {e}; {earlier}")
-    except (KeyError, TypeError, RuntimeError) as e:  # a readable file that is not this run's training state
-        sys.exit(f"error: --resume: {state_path} is not this run's training state ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:160]}); {earlier}")
-    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
-        for group, lr in zip(opt.param_groups, lrs):
-            group["initial_lr"] = lr
-    return step
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+        raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
+                                  f"({error_summary(e)})") from None
 
 
 def read_step_log(path, log=print):

@@ -19,6 +19,8 @@ import pickle
 import re
 import signal
 import tempfile
+import textwrap
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields, replace
@@ -1040,7 +1042,8 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
     """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
     generation / window_pattern override what the files say or what would be assumed (see model_from_state).
     shapes_only: the model on the meta device, its weights never read (for planning memory before loading).
-    A missing, damaged or foreign file raises FileNotFoundError / ValueError naming it."""
+    A missing step or meta file raises FileNotFoundError; a file of the step that cannot be used,
+    CheckpointFileError."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
         raise FileNotFoundError(f"no model_<step>.pt files in {os.path.abspath(checkpoint_dir)}")
@@ -1058,15 +1061,35 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
     state = load_tensors(model_path, mmap=shapes_only)  # mapped: names and shapes, no tensor read
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
-        raise ValueError(f"{model_path} holds no state dict (names -> tensors): is it a nanochat model file?")
+        raise CheckpointFileError(model_path, f"{model_path} holds no state dict (names -> tensors): is it a nanochat "
+                                  "model file?")
     # Our own checkpoints name their generation, which settles what the files alone cannot.
     try:
         with torch.device("meta") if shapes_only else nullcontext():
             model = model_from_state(meta["model_config"], state, generation or meta.get("nanogrpo_generation"),
                                      window_pattern, log, load=not shapes_only)
-    except ValueError as e:
-        raise ValueError(f"{model_path}: {e}") from None
+    except ValueError as e:  # another model's file, or a model nanogrpo cannot run
+        raise CheckpointFileError(model_path, f"{model_path}: {e}") from None
     return model, meta
+
+
+class CheckpointFileError(ValueError):
+    """A file of a checkpoint that is there but cannot be used: cut short, overwritten, another file's bytes. The
+    message names the file and what is wrong; .path lets the caller say how to go on (another step, another
+    checkpoint)."""
+
+    def __init__(self, path, message):
+        super().__init__(message)
+        self.path = path
+
+
+def error_summary(error, width=160):
+    """An exception as a few words for a one-line message: its first line that says something (torch's run to
+    paragraphs, some open with a heading ending in ':'), to the end of its first sentence, shortened at a word."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = next((line for line in lines if not line.endswith(":")), lines[0] if lines else "no message")
+    sentence = re.split(r"(?<=\.)\s", line, maxsplit=1)[0]
+    return f"{type(error).__name__}: {textwrap.shorten(sentence, width, placeholder=' ...')}"
 
 
 def read_meta(path):
@@ -1077,36 +1100,56 @@ def read_meta(path):
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: every model_<step>.pt needs its meta_<step>.json") from None
     except ValueError as e:  # also a file that is not UTF-8
-        raise ValueError(f"{path} is not valid JSON ({e}): the checkpoint's metadata is damaged") from None
+        raise CheckpointFileError(path, f"{path} is not valid JSON ({e}): the checkpoint's metadata is "
+                                  "damaged") from None
     config = meta.get("model_config") if isinstance(meta, dict) else None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} has no model_config object: it is not a nanochat checkpoint's metadata")
+        raise CheckpointFileError(path, f"{path} has no model_config object: it is not a nanochat checkpoint's "
+                                  "metadata")
     types = {f.name: f.type for f in fields(GPTConfig)}
     wrong = [f"{k}={v!r}" for k, v in config.items() if k in types and not (
         isinstance(v, str) if types[k] is str else isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
     if wrong:
-        raise ValueError(f"{path}: model_config has values of the wrong type or range: {', '.join(wrong)} "
-                         "(sizes are integers >= 1, window_pattern a string)")
+        raise CheckpointFileError(path, f"{path}: model_config has values of the wrong type or range: "
+                                  f"{', '.join(wrong)} (sizes are integers >= 1, window_pattern a string)")
     return meta
 
 
-# What torch.load raises on a truncated, empty, overwritten or foreign file: each of these, for one cause or another.
-DAMAGED_FILE_ERRORS = (EOFError, RuntimeError, KeyError, IndexError, ValueError, pickle.UnpicklingError)
+# What torch.load raises on a truncated, empty, overwritten or foreign file: each of these, for one cause or another
+# (OSError: a file cut to tens of KB sends torch's zip reader to seek before the file's start, EINVAL).
+DAMAGED_FILE_ERRORS = (EOFError, RuntimeError, KeyError, IndexError, ValueError, pickle.UnpicklingError, OSError)
+# How the files torch.save writes begin: a zip archive, or a pickle (its format before torch 1.6). Any other file is
+# refused before torch.load sees it: its fallback reader would take the bytes for a pickle of the old format.
+TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+ZIP_END = b"PK\x05\x06"  # the zip archive's last record (22 bytes, torch writes no comment): gone from a cut file
 
 
 def load_tensors(path, device="cpu", mmap=False):
-    """torch.load with weights_only, so nothing in the file can run code; a damaged file -> ValueError naming it.
-    mmap: the tensors stay in the file, read when used."""
+    """torch.load with weights_only, so nothing in the file can run code; a damaged file -> CheckpointFileError
+    naming it and what is wrong. mmap: the tensors stay in the file, read when used."""
+    damaged = f"{path} is damaged or not a checkpoint file"
+    with open(path, "rb") as f:
+        start = f.read(4)
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 22))
+        end = f.read(4)
+    if not start.startswith(TORCH_FILE_STARTS):
+        raise CheckpointFileError(path, f"{damaged} (" + ("empty" if not size else "it does not begin as the files "
+                                                           "torch.save writes: zeroed, or another kind of file") + ")")
+    if start.startswith(TORCH_FILE_STARTS[0]) and end != ZIP_END:
+        raise CheckpointFileError(path, f"{damaged} (cut short: {size:,} bytes, without the end of torch.save's zip "
+                                  "archive)")
     try:
-        try:
-            return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
-        except DAMAGED_FILE_ERRORS:
-            if not mmap:
-                raise
-            return torch.load(path, map_location=device, weights_only=True)  # e.g. torch's legacy format: read it
+        with warnings.catch_warnings():  # torch's note on an unusual pickle protocol: the error below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            try:
+                return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+            except DAMAGED_FILE_ERRORS:
+                if not mmap:
+                    raise
+                return torch.load(path, map_location=device, weights_only=True)  # e.g. torch's legacy format
     except DAMAGED_FILE_ERRORS as e:
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else "no data"
-        raise ValueError(f"{path} is damaged or not a checkpoint file ({type(e).__name__}: {reason})") from None
+        raise CheckpointFileError(path, f"{damaged} ({error_summary(e)})") from None
 
 
 def detect_generation(model_config, state):

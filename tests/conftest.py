@@ -52,6 +52,41 @@ def runs_on_the_cpu(request, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+def repository_files():
+    """path -> (mtime, size) of each file in the repository, but in Python's caches (__pycache__), hidden folders
+    (.git, .pytest_cache, pytest-benchmark's .benchmarks) and virtual environments (pyvenv.cfg): what a test may not
+    change."""
+    found = {}
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [name for name in subfolders if not (name.startswith(".") or name == "__pycache__" or
+                                                            os.path.isfile(os.path.join(folder, name, "pyvenv.cfg")))]
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:  # removed between the listing and now
+                continue
+            found[os.path.relpath(path, ROOT)] = (stat.st_mtime_ns, stat.st_size)
+    return found
+
+
+SEEN = {}  # the repository's files as the last test left them: each test's "before" is the previous one's "after"
+
+
+@pytest.fixture(autouse=True)
+def writes_nothing_into_the_repository():
+    """Every test writes under its tmp_path: a file it adds, changes or removes in the repository fails it. A look
+    at the files themselves, not `git status` (which hides ignored paths such as runs/, and needs git) nor a change
+    of directory (the runs the tests start as processes run in the repository, and absolute paths ignore it). One
+    walk of the repository a test (about 1 ms). Under pytest -n the test running beside the culprit on the other
+    worker may fail with it; the culprit always does (a module fixture's write: the module's next test)."""
+    before = SEEN.get("files") or repository_files()
+    yield
+    SEEN["files"] = after = repository_files()
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    assert not changed, f"the test wrote into the repository (write under tmp_path instead): {changed}"
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (torch.compile on the CPU)")
 

@@ -15,12 +15,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import grpo
+import model
 from conftest import ROOT, Killed
 
 CK = os.path.join("runs", "base", "chatrl_checkpoints", "d2")  # the checkpoints of the damaged run, steps 1 and 2
@@ -365,6 +367,103 @@ def test_bad_input_and_faults(case, pristine, tmp_path, monkeypatch, capsys):
     assert {k: v for k, v in after.items() if k in before} == before, "a file saved before was changed"
     assert all(os.path.basename(k) == ".lock" for k in set(after) - set(before)), set(after) - set(before)
     assert not os.path.exists(w / "ran")  # the hostile tokenizer ran nothing
+
+
+# ---------------------------------------------------------------------------- damaged checkpoints, every way in
+
+# The files of a step and what damages them: cut to nothing, to 20 KB (where torch's zip reader seeks before the
+# file's start: OSError EINVAL), by its last byte; zeroed; holding another file's bytes (a readable file of the
+# wrong kind). The kinds each entry reads: a start checkpoint or a teacher is a model and its meta, a run's step also
+# its training state.
+STEP_FILES = {"model": "model_000002.pt", "meta": "meta_000002.json", "state": "state_000002.pt"}
+IN_ITS_PLACE = {"model": "state", "meta": "model", "state": "model"}
+DAMAGE = {
+    "empty": lambda data, other: b"",
+    "cut-to-20KB": lambda data, other: data[:min(len(data) // 2, 20_000)],
+    "cut-by-a-byte": lambda data, other: data[:-1],
+    "zeroed": lambda data, other: bytes(len(data)),
+    "another-files-bytes": lambda data, other: other,
+}
+# entry -> (its flags, given the damaged checkpoint's folder; the run it names; what the line must say to do)
+ENTRIES = {
+    "init": (lambda ck: ["--init", ck], "fresh", ("--init-step 1", "another checkpoint with --init")),
+    "teacher": (lambda ck: ["--algo", "distill", "--teacher", ck], "fresh", ("--teacher-step 1", "another --teacher")),
+    "eval-only": (lambda ck: ["--eval-only", "--init", ck], "fresh", ("--init-step 1", "with --init")),
+    "ask": (lambda ck: ["--ask", "Sort: 3 1 2", "--init", ck], "fresh", ("--init-step 1", "with --init")),
+    "resume": (lambda ck: ["--resume"], "base", ("resume from step 1", "with --init")),
+    "resume-eval-only": (lambda ck: ["--resume", "--eval-only"], "base", ("resume from step 1", "with --init")),
+    "resume-ask": (lambda ck: ["--resume", "--ask", "Sort: 3 1 2"], "base", ("resume from step 1", "with --init")),
+}
+DAMAGED_CASES = [(entry, kind, damage) for entry in ENTRIES for kind in STEP_FILES for damage in DAMAGE
+                 if kind != "state" or entry.startswith("resume")]
+
+
+@pytest.mark.parametrize("entry,kind,damage", DAMAGED_CASES, ids=["-".join(case) for case in DAMAGED_CASES])
+@pytest.mark.xdist_group("pristine")
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_way_on(entry, kind, damage, pristine, tmp_path,
+                                                                        monkeypatch, capsys):
+    # Step 2 of the run damaged: whichever way a command reads it, one line names the file, says what is wrong in a
+    # few words of its own (not torch's paragraphs), and how to go on: step 1 of the same folder, or another
+    # checkpoint. Nothing saved changes.
+    w = tmp_path / "w"
+    shutil.copytree(pristine, w)
+    path = w / CK / STEP_FILES[kind]
+    path.write_bytes(DAMAGE[damage](path.read_bytes(), (w / CK / STEP_FILES[IN_ITS_PLACE[kind]]).read_bytes()))
+    extra, name, advice = ENTRIES[entry]
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(w / "no-nanochat"))
+    before = snapshot(w)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        grpo.main(flags(w, *extra(str(w / CK)), "--num-steps", "4", name=name))
+    message, printed = exit_info.value.code, capsys.readouterr()
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    assert str(path) in message and all(text in message for text in advice), message
+    assert not any(torch_words in message for torch_words in ("weights_only", "miniz", "Errno")), message
+    assert "Traceback" not in printed.out + printed.err and not warned, [str(w.message) for w in warned]
+    after = snapshot(w)
+    assert {k: v for k, v in after.items() if k in before} == before, "a file saved before was changed"
+    assert all(os.path.basename(k) == ".lock" for k in set(after) - set(before)), set(after) - set(before)
+
+
+@pytest.mark.xdist_group("pristine")
+def test_a_damaged_only_step_says_to_go_on_from_another_checkpoint(pristine, tmp_path, monkeypatch):
+    # With no other step to fall back on, the line says so and names the way on that is left.
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "no-nanochat"))
+    w = tmp_path / "w"
+    shutil.copytree(pristine, w)
+    for name in ("model_000001.pt", "meta_000001.json", "state_000001.pt"):
+        (w / CK / name).unlink()
+    (w / CK / "model_000002.pt").write_bytes(b"")
+    for extra, name, says in ((["--init", str(w / CK)], "fresh", "it is the only step in"),
+                              (["--resume"], "base", "no other step of the run has its training state")):
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main(flags(w, *extra, "--num-steps", "4", name=name))
+        message = exit_info.value.code
+        assert "model_000002.pt is damaged" in message and says in message and message.endswith("with --init"), message
+
+
+@pytest.mark.xdist_group("pristine")
+def test_a_checkpoint_file_cut_anywhere_is_named_as_damaged(pristine, tmp_path):
+    # Every length a cut can leave, at a stride that lands in each of torch's failure bands (a few bytes: not a zip;
+    # 4-69 KB: OSError EINVAL from its reader; beyond: no central directory), mapped (shapes only, resumes) or not.
+    for kind in ("model", "state"):
+        data = (pristine / CK / STEP_FILES[kind]).read_bytes()
+        wrong = []
+        for size in [*range(0, 64), *range(64, len(data), 4093), len(data) - 1]:
+            path = tmp_path / f"{kind}_{size}.pt"
+            path.write_bytes(data[:size])
+            for mmap in (True, False):
+                try:
+                    model.load_tensors(str(path), mmap=mmap)
+                    wrong.append((size, mmap, "read"))
+                except Exception as e:
+                    line = str(e)
+                    if not (getattr(e, "path", None) == str(path) and line.startswith(f"{path} is damaged")
+                            and "\n" not in line and "weights_only" not in line):
+                        wrong.append((size, mmap, f"{type(e).__name__}: {line[:100]}"))
+            path.unlink()
+        assert not wrong, (kind, len(wrong), wrong[:3], wrong[-3:])
 
 
 # ---------------------------------------------------------------------------- faults in a running run

@@ -358,7 +358,7 @@ def test_compare_keeps_copies_of_one_seed_apart(tmp_path, capsys):
     shutil.copytree(tmp_path / "runs", tmp_path / "copy")
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "runs" / "demo-grpo-seed0"), str(tmp_path / "copy" / "demo-grpo-seed0"),
-                       "--runs-dir", str(tmp_path)])
+                       "--runs-dir", str(tmp_path), "--compare-out", str(tmp_path / "compare.png")])  # (else in ".")
     assert [row[table[0].index("seeds")] for row in table[1:]] == [1, 1]
     assert "same configuration with the same seed" in capsys.readouterr().out
 
