@@ -1378,9 +1378,12 @@ def pass_activations(c, tokens, args):
     (the residual stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an
     all-16-bit block): 75-76 eager, the plan within 4% of torch's allocated peak; compiled, 46.7 from the peaks of
     two pass sizes (32,768 and 65,664 tokens), the plan 2-3% over those peaks; the head's chunk, 24.0-24.4 and
-    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32 (docs/performance.md)."""
+    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32, and 8 more with the forward KL's gather
+    (`python tests/bench_memory.py --head`; docs/performance.md)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
     head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
+    if args.distill_coef and args.distill_divergence == "forward":  # the teacher's top-k gathered from the student's
+        head_bytes += 8  # log-probs, and the rest's log-mass (a masked [N, V] copy): 24.2 measured, 16.2 without
     return tokens * c.n_layer * (48 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
 
 

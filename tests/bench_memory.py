@@ -60,6 +60,9 @@ parser.add_argument("--allocated", action="store_true", help="on the CPU also to
                     "profiler's allocation events (minutes a step)")
 parser.add_argument("--modes", action="store_true", help="the update's passes formed each way: padded rows, packed "
                     "by a token budget, packed whole rows; the plan's peak next to the measured one")
+parser.add_argument("--head", action="store_true", help="the peak of the head's chunk in bytes a logit: log-probs, "
+                    "entropies logged or with their gradient, and a teacher's top-k gathered (the plan counts 16, "
+                    "24 and 4 more)")
 parser.add_argument("--muon", action="store_true", help="the peak of Muon's step in stacks of its matrices (the "
                     "memory plan counts 10)")
 args = parser.parse_args()
@@ -209,6 +212,26 @@ def cpu_allocated_peak(profiler):
     return max(itertools.accumulate(n for _, n in events))
 
 
+def head_chunk(k=64):
+    """token_logprobs' head, forward and backward, over one chunk (HEAD_CHUNK logits: 2,048 positions at vocabulary
+    65,536; one layer of width 128 below it): torch's allocated peak above its start on the CPU, in bytes a logit."""
+    V = 65536
+    model = GPT(GPTConfig(sequence_len=2048, vocab_size=V, n_layer=1, n_head=1, n_kv_head=1, n_embd=128)).init_weights(0)
+    n = grpo.HEAD_CHUNK // V
+    idx, targets, top_ids = torch.randint(V, (1, n)), torch.randint(V, (1, n)), torch.randint(V, (1, n, k))
+    print(f"the head's chunk ({n} positions x {V} logits), torch's allocated peak above its start, bytes a logit:")
+    for name, flags in (("log-probs", {}), ("+ entropies, logged", dict(with_entropy=True, entropy_grad=False)),
+                        ("+ entropies, with their gradient", dict(with_entropy=True)),
+                        (f"+ entropies logged, a teacher's top-{k} gathered",
+                         dict(with_entropy=True, entropy_grad=False, top_ids=top_ids))):
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        with profiler:
+            out = model.token_logprobs(idx, targets, **flags)
+            out = out if isinstance(out, tuple) else (out,)
+            sum(t.sum() for t in out if t is not None and t.requires_grad).backward()
+        print(f"  {name}: {cpu_allocated_peak(profiler) / (n * V):.2f}")
+
+
 def muon_step():
     """Muon's step beside the gradients, in float32 copies of one of its stacks (grpo.MUON_STACK_BYTES): 8 matrices
     of one shape in stacks of 4, one optimizer_step (the measurement's copy included) after one that made the state."""
@@ -266,6 +289,8 @@ def plans():
 
 if args.plan:
     plans()
+elif args.head:
+    head_chunk()
 elif args.muon:
     muon_step()
 elif args.child:

@@ -2,12 +2,14 @@
 The memory plan (grpo.memory_plan) against what torch allocates, and its one-line stop; the reference model kept
 in CPU memory. The plan counts from a model on the meta device; these tests build the same model for real.
 """
+import itertools
 import os
 
 import pytest
 import torch
 
 import grpo
+import model as model_module
 from test_generations import FIXTURES
 from test_grpo import NO_AUTOCAST, args_for, sampled_batch
 
@@ -217,3 +219,29 @@ def test_the_plan_bounds_the_exact_attentions_padded_block(tmp_path, monkeypatch
     (plan, _), = plans
     layers = 2  # the demo's
     assert blocks and layers * max(blocks) <= plan["update: exact attention's padded rows (bound)"]
+
+
+@pytest.mark.parametrize("distill", [False, True], ids=["grpo", "distill-forward"])
+def test_the_plans_head_chunk_holds_what_torch_allocates_for_it(distill, monkeypatch):
+    # One chunk of token_logprobs' head, forward and backward, as an update's pass takes it (the forward KL's
+    # teacher top-k gathered too): torch's allocated peak above its start, against pass_activations' head term. The
+    # logits dominate (CHECKPOINT_LOGITS of them, the least the head recomputes in the backward, as a GPU run's
+    # chunks), so the peak per logit is the head's own.
+    V, k = 16384, 16
+    n = model_module.CHECKPOINT_LOGITS // V
+    monkeypatch.setattr(grpo, "HEAD_CHUNK", n * V)
+    monkeypatch.setattr(model_module, "HEAD_CHUNK", n * V)
+    model = grpo.GPT(grpo.GPTConfig(sequence_len=n, vocab_size=V, n_layer=1, n_head=1, n_kv_head=1,
+                                    n_embd=64)).init_weights(0)
+    idx, targets = torch.randint(V, (1, n)), torch.randint(V, (1, n))
+    top = dict(top_ids=torch.randint(V, (1, n, k))) if distill else {}
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with profiler:
+        out = model.token_logprobs(idx, targets, with_entropy=True, entropy_grad=False, **top)
+        sum(t.sum() for t in out if t is not None and t.requires_grad).backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    peak = max(itertools.accumulate(n for _, n in events))
+    flags = ["--algo", "distill", "--teacher", "unused"] if distill else ["--algo", "grpo"]
+    planned = grpo.pass_activations(model.config, n, args_for(*flags)) - n * model.config.n_layer * 76 * 64
+    assert 0.95 * planned <= peak <= 1.05 * planned, (peak / (n * V), planned / (n * V))
