@@ -20,13 +20,18 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 Subclassing Task gives sensible defaults for all but __len__, example(index), reward, evaluate and eval_metrics.
 
 --task and --eval-task name a task (task_class): gsm8k, sort, a file ending in .jsonl (tasks/jsonl.py), or your own
-class as module:Class or path/to/file.py:Class, imported when a run names it and never otherwise.
+class as module:Class or path/to/file.py:Class, imported when a run names it and never otherwise, and called through
+OwnTask: what its code raises, a sys.exit too, or returns that is no finite number, is one error line (GraderError).
 """
+import decimal
 import hashlib
 import importlib
 import importlib.util
+import math
+import numbers
 import os
 import sys
+import traceback
 
 
 class Task:
@@ -58,6 +63,7 @@ class Task:
         return self.example(index)
 
 
+BUILTIN = ("gsm8k", "sort")
 TASK_METHODS = ("from_flags", "reward", "evaluate", "eval_metrics", "__len__", "__getitem__")
 
 
@@ -66,9 +72,8 @@ def task_class(spec):
     from tasks.gsm8k import GSM8K
     from tasks.jsonl import JSONLTask
     from tasks.sort import Sort
-    builtin = {"gsm8k": GSM8K, "sort": Sort}
-    if spec in builtin:
-        return builtin[spec]
+    if spec in BUILTIN:
+        return {"gsm8k": GSM8K, "sort": Sort}[spec]
     if spec.endswith(".jsonl"):
         return JSONLTask
     module, colon, name = spec.rpartition(":")
@@ -86,8 +91,119 @@ def task_class(spec):
 
 
 class GraderError(Exception):
-    """A user's grading code failed on a reply (raised, or returned what is no reward): the run stops with this
-    one line, naming the function, the reply and what to return instead."""
+    """A user's code (a --grader function, a task class of --task) failed: raised, exited, or returned what is no
+    reward. The run stops with this one line, naming the function, the reply and what to return instead."""
+
+
+def user_call(where, fn, *args, passes=()):
+    """fn(*args), the user's code: whatever it raises, a sys.exit too, is one GraderError naming `where` (the
+    exceptions in passes go through as they are). A KeyboardInterrupt is not the code's own: it is Ctrl-C or a stop
+    signal (grpo.py's stop_signals raises it wherever the run is), and it stops the run as it does everywhere."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, *passes):
+        raise
+    except BaseException as e:
+        frames = traceback.extract_tb(e.__traceback__)[1:]  # below this function's own frame
+        at = f" ({os.path.basename(frames[-1].filename)} line {frames[-1].lineno}, in {frames[-1].name})" if frames \
+            else ""
+        if isinstance(e, SystemExit):  # it would end a run with no error line and no checkpoint
+            raise GraderError(f"{where} called sys.exit({shown(e.code)}){at}: it must return, never end the "
+                              "process") from None
+        raise GraderError(f"{where} raised {type(e).__name__}: {shown(e, str, 200)}{at}") from None
+
+
+def finite_number(value):
+    """A reward or metric from the user's code -> a float where it is a finite real number (an int, bool, float,
+    Fraction or Decimal, or one of these in a 0-d array: numpy's scalars, a 0-d torch tensor), else None (also for
+    10**400, past any float)."""
+    try:
+        if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):  # np.float32(1.0), np.bool_
+            value = value.item()
+        if not isinstance(value, (numbers.Real, decimal.Decimal)):
+            return None
+        value = float(value)
+    except Exception:  # an int past a float's range, Decimal("sNaN"), an item() that fails: no number
+        return None
+    return value if math.isfinite(value) else None
+
+
+def shown(value, text=repr, limit=80):
+    """text(value) cut to limit characters for an error line; the type's name where it cannot be written (an int
+    past Python's 4,300 digits, the user's own __repr__ raising)."""
+    try:
+        written = text(value)
+    except Exception:
+        return f"a value of type {type(value).__name__}"
+    return written if len(written) <= limit else written[:limit] + "..."
+
+
+class OwnTask:
+    """A task class of the user's own, as the trainer calls it: its grading (reward, reward_parts, evaluate,
+    eval_metrics) and its tool run through user_call, and the rewards and metrics come back as floats (numpy's
+    scalars too), a GraderError where one is no finite number. Everything else is the task's own."""
+
+    def __init__(self, task, spec):
+        self.task, self.spec, self.metric_names = task, spec, None
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, index):
+        return self.task[index]
+
+    def graded(self, method, conversation, reply_text):
+        """-> (where, what the task's method returned)."""
+        where = f"--task {self.spec}: {method} on the reply {reply_text[:60]!r}"
+        return where, user_call(where, getattr(self.task, method), conversation, reply_text)
+
+    @staticmethod
+    def numbers(where, result, names, what):
+        """A {name: value} result -> {name: float} for these names, or a GraderError saying what to return."""
+        values = {name: finite_number(result.get(name)) for name in names} if isinstance(result, dict) else None
+        if values is None or None in values.values():
+            raise GraderError(f"{where} returned {shown(result)}: return {what}")
+        return values
+
+    def reward(self, conversation, reply_text):
+        where, result = self.graded("reward", conversation, reply_text)
+        return self.numbers(where, {"reward": result}, ["reward"], "a finite number")["reward"]
+
+    def reward_parts(self, conversation, reply_text):
+        where, result = self.graded("reward_parts", conversation, reply_text)
+        terms = self.task.reward_terms
+        return self.numbers(where, result, terms, f"{{name: a finite number}} for each of {', '.join(terms)}")
+
+    def evaluate(self, conversation, reply_text):
+        where, result = self.graded("evaluate", conversation, reply_text)
+        if finite_number(result) not in (0.0, 1.0):
+            raise GraderError(f"{where} returned {shown(result)}: return True for a correct reply, else False")
+        return bool(result)
+
+    def eval_metrics(self, conversation, reply_text):
+        """The same names for every reply, the first reply's (the eval sums each name over the replies)."""
+        where, result = self.graded("eval_metrics", conversation, reply_text)
+        if self.metric_names is None and isinstance(result, dict):
+            self.metric_names = list(result)
+        return self.numbers(where, result, self.metric_names or [], "{name: a finite number}, the same names for "
+                                                                    "every reply")
+
+    @property
+    def tool(self):
+        tool = self.task.tool
+        if tool is None:
+            return None
+
+        def checked(text):
+            where = f"--task {self.spec}: its tool on {text[:60]!r}"
+            result = user_call(where, tool, text)
+            if result is not None and not isinstance(result, str):
+                raise GraderError(f"{where} returned {shown(result)}: return the text to insert, or None")
+            return result
+        return checked
 
 
 def import_task_module(module, flag="--task"):
@@ -103,9 +219,9 @@ def import_task_module(module, flag="--task"):
         if os.getcwd() not in sys.path:
             sys.path.append(os.getcwd())
         return importlib.import_module(module)
-    except ValueError:
+    except (ValueError, KeyboardInterrupt):
         raise
-    except Exception as e:  # the user's code: whatever it raises on import, one line
+    except BaseException as e:  # the user's code: whatever it raises on import (a sys.exit too), one line
         raise ValueError(f"the module {module} of {flag} could not be imported ({type(e).__name__}: {e})") from None
 
 
@@ -117,14 +233,20 @@ def task_name(spec):
 
 
 def build(spec, split, args):
-    """The task a spec names, this split of it, from the run's flags."""
+    """The task a spec names, this split of it, from the run's flags; a class of the user's own as an OwnTask
+    (its OSError or ValueError is its own word on its data, one line as the built-in tasks' are)."""
     cls = task_class(spec)
-    return cls.from_flags(split, args, spec) if spec.endswith(".jsonl") else cls.from_flags(split, args)
+    if spec.endswith(".jsonl"):
+        return cls.from_flags(split, args, spec)
+    if spec in BUILTIN:
+        return cls.from_flags(split, args)
+    task = user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args, passes=(OSError, ValueError))
+    return OwnTask(task, spec)
 
 
 def code_fingerprint(spec):
     """A Python task's code as config.json records it -> {module, file, sha256}; None for the others."""
-    if spec in ("gsm8k", "sort") or spec.endswith(".jsonl"):
+    if spec in BUILTIN or spec.endswith(".jsonl"):
         return None
     module = spec.rpartition(":")[0]
     path = module if module.endswith(".py") else getattr(sys.modules.get(module), "__file__", None)

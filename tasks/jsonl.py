@@ -13,50 +13,73 @@ Graders, each reading the reply's answer and comparing it with the line's answer
   A minus is a sign only where a number starts (not right after a digit or letter: "10-5" reads 10 and 5); the
   Unicode minus and the en and figure dashes are minus signs; full-width digits read as ASCII, superscripts as no
   digit ("12 m²" reads 12); thousands separators (commas, spaces) count only in groups of three; exponents count
-  ("1.5e-3"); "1 1/2" and "1½" read 3/2; "$" before and "%" after a number are ignored ("50%" reads 50). An answer
+  ("1.5e-3"); "1 1/2", "1 ½" (any space before the fraction) and "1½" read 3/2; "$" before and "%" after a number
+  are ignored ("50%" reads 50); a number past 4,300 digits or with an exponent past 4 digits is none. An answer
   must read as one number;
 - exact: the reply, trimmed and case-folded, equals the answer trimmed and case-folded;
 - choice: the letter the reply commits to equals the answer's letter (the answer is a letter, "(B)", or the text
-  of one choice). A reply commits by "Answer: B" / "the answer is B", "(B)", "**B**" (also to a letter past the
-  choices: wrong), the text of one choice as the whole reply, or else its last capital letter standing alone; "A"
-  and "I" followed by a word are words, not letters (but "the answer is A because", "A is right"), and a
-  lower-case letter never counts.
+  of one choice). A reply commits by its first statement ("Answer: B", "**Answer:** b", "the correct option is B",
+  "B is correct", "I pick B") or an opening letter ("B. A is smaller.", "Option B."), whatever letters its
+  explanation names after it (also to a letter past the choices: wrong); else by its last "(B)" or "**B**"; else by
+  the text of one choice as the whole reply; else by its last capital letter standing alone that it neither denies
+  ("not A", "A is wrong") nor offers as one of alternatives ("B or C"). "A" and "I" followed by a word are words,
+  not letters (but "the answer is A because", "A is right"); a lower-case letter counts only standing alone after
+  "answer" ("answer: b").
 --grader path/to/file.py:fn (or module:fn) grades every line that names no grader with your function,
-fn(question, reply, answer) -> a finite number or (correct, format); imported only when a run names it.
+fn(question, reply, answer) -> a finite number (numpy's, a 0-d tensor too) or (correct, format); imported only when
+a run names it.
 Train and test: --task-test names a test file; without it every 10th problem of the file (lines 1, 11, 21, ...
 counting problems, not blank lines) is held out for the evals. A file only watched (--eval-task) is evaluated whole.
 """
 import decimal
 import json
-import math
 import os
 import re
 import unicodedata
 from fractions import Fraction
 
-from tasks import GraderError, Task, file_sha256, import_task_module
+from tasks import GraderError, Task, file_sha256, finite_number, import_task_module, shown, user_call
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
 HELD_OUT_EVERY = 10
 # A number: a sign only where it starts (not after a digit, letter or point), an optional "$", digits with commas or
 # spaces only in proper groups of three, an optional decimal part and exponent, and an optional "/ denominator" (a
-# rational), before which a whole number and a space make a mixed number ("1 1/2").
+# rational), before which a whole number and spaces make a mixed number ("1 1/2"; plain() turns the no-break and thin
+# spaces into plain ones, and "1 ½" into "1  1/2").
 SPACES = " \u00a0\u2009\u202f"  # a space, a no-break, thin or narrow no-break space
 GROUP = f"[,{SPACES}]"  # what may stand between groups of three digits
 UNSIGNED = rf"(?:(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d{{1,3}}(?:[{SPACES}]\d{{3}})+(?![\d/])|\d+)(?:\.\d+)?|\.\d+)" \
            r"(?:[eE][-+]?\d+(?!\w))?"
-NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?(?:(\d+) (?=\d+\s?/\s?\d))?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
+NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?(?:(\d+) +(?=\d+\s?/\s?\d))?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
 MARKED_NUMBER = re.compile(r"####\s*\$?\s*" + NUMBER)
 ANY_NUMBER = re.compile(NUMBER)
 # A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick"; but "A is right" is the
 # letter), and not inside a word.
 LETTER = r"(?!(?:A|I)\s+(?!(?:is|was)\b)[a-z])\b([A-Z])\b"
-# The ways a reply commits to a letter, most explicit first; the last match of a rule wins (the conclusion). After
-# "answer", "A" is the letter whatever follows ("The answer is A because ...").
-COMMITTED_LETTER = [re.compile(r"(?i:answer)\s*(?:is|:|=)?\s*:?\s*(?:\*\*)?\(?(?!I\s+[a-z])\b([A-Z])\b"),
-                    re.compile(r"\(" + LETTER + r"\)|\*\*\(?" + LETTER + r"\)?\*\*")]
+BOLD = r"(?:\*\*)?"
+# After "answer" or "I pick", "A" is the letter whatever follows ("The answer is A because ..."), "I" before a word is
+# the pronoun, and a lower-case letter counts where it stands alone ("answer: b", not "the answer is a guess").
+ANSWERED = rf"\(?(?:(?!I\s+[a-z])\b([A-Z])\b|\b([a-z])(?=\)?{BOLD}[ \t]*(?:$|[\n.,;:!?])))"
+# The ways a reply commits to a letter in so many words; the first commitment wins over the letters of the
+# explanation that follows ("**Answer:** B. A is smaller.", "B is correct because A is too small.").
+COMMITMENTS = [
+    re.compile(rf"\b(?i:answer|option|choice){BOLD}\s*(?i:is|:|=|would be|should be|must be)\s*:?\s*{BOLD}\s*"
+               rf"(?:(?i:option|choice)\s+)?{ANSWERED}"),  # "the answer is B", "**Answer:** B", "answer: b"
+    re.compile(rf"{BOLD}\(?{LETTER}\)?{BOLD}\s+is\s+(?:the\s+)?(?:(?:correct|right|best)(?![\w-])|answer\b)"),
+    re.compile(rf"\bI(?:'d|'ll| would| will)?\s+(?:pick|choose|select|go with)\s+(?:(?:option|choice)\s+)?{BOLD}"
+               rf"{ANSWERED}")]
+# A reply that opens with a bare letter commits to it ("B. A is smaller.", "Option B.", "**B**\nbecause ..."), unless
+# a number follows ("B. 9 is the largest") or its lines list the choices ("A. 3\nB. 9").
+OPENING = re.compile(rf"\s*{BOLD}(?:(?i:option|choice|answer)\s+)?{BOLD}\(?{LETTER}\)?{BOLD}"
+                     r"(?=[ \t]*(?:$|\n|[.!](?!\S)(?![ \t]*\d)))")
+LISTED = re.compile(r"^[ \t]*\(?([A-Z])[.)]", re.M)
+MARKED_LETTER = re.compile(r"\(" + LETTER + r"\)|\*\*\(?" + LETTER + r"\)?\*\*")  # "(B)", "**B**": the last one
 STANDALONE_LETTER = re.compile(LETTER)
+# A letter named but not chosen: denied ("not A", "A is wrong") or one of alternatives ("B or C", "B/C").
+NOT_CHOSEN_BEFORE = re.compile(rf"(?:\b(?i:not|nor|or)\s+|/\s*){BOLD}\(?$")
+NOT_CHOSEN_AFTER = re.compile(rf"\)?{BOLD}\s*(?:/|or\b|(?:is|was)(?:n't|\s+not\b|\s+(?:wrong|incorrect|false)\b))")
+MAX_DIGITS = 4300  # Python's own limit on an int read from text (sys.get_int_max_str_digits)
 DASHES = str.maketrans({"\u2212": "-", "\u2012": "-", "\u2013": "-", "\u2044": "/"})  # minus, figure, en dash
 
 
@@ -81,36 +104,50 @@ def read_number(text):
 
 
 def number_of(match):
-    """A NUMBER match -> its Fraction (None for x/0). A whole part counts before a proper fraction only."""
+    """A NUMBER match -> its Fraction (None for x/0, or a part too long to read). A whole part counts before a
+    proper fraction only."""
     sign, whole, numerator, denominator = match.groups()
-    value = Fraction(re.sub(GROUP, "", numerator))
+    value = rational(numerator)
     if denominator is not None:
-        below = Fraction(re.sub(GROUP, "", denominator))
-        if below == 0:
+        below = rational(denominator)
+        if value is None or below is None or below == 0:
             return None
         value /= below
         if whole is not None and value < 1:
             value += int(whole)
-    return -value if sign else value
+    return None if value is None else -value if sign else value
+
+
+def rational(text):
+    """An UNSIGNED match -> its exact Fraction; None past MAX_DIGITS digits or an exponent of more than 4 digits,
+    where Python refuses the int (a ValueError) or would build one of gigabytes (a reply's "1e999999999")."""
+    text = re.sub(GROUP, "", text)
+    digits, _, exponent = text.lower().partition("e")
+    return None if len(digits) > MAX_DIGITS or len(exponent.lstrip("+-")) > 4 else Fraction(text)
 
 
 def read_letter(text, choices):
-    """The letter a reply commits to, among the first len(choices) letters; None when it commits to none."""
+    """The letter a reply commits to, among the first len(choices) letters; None when it commits to none. In turn:
+    its first commitment in words or an opening letter; the last letter in brackets or bold; the text of one choice
+    as the whole reply; the last capital letter standing alone that is not denied or one of alternatives. A letter
+    committed to in words or marked is the answer also when it is past the choices (wrong)."""
     letters = [chr(ord("A") + i) for i in range(len(choices))]
-
-    def last(found):
-        found = [letter for letter in found if letter in letters]
-        return found[-1] if found else None
-
-    for pattern in COMMITTED_LETTER:  # a letter committed to is the answer, also one past the choices (wrong)
-        found = [next(g for g in m.groups() if g) for m in pattern.finditer(text)]
-        if found:
-            return found[-1]
-    said = text.strip().rstrip(".").strip().casefold()
-    named = [i for i, c in enumerate(choices) if c.strip().casefold() == said]
+    said = [(m.start(), next(g for g in m.groups() if g).upper()) for rule in COMMITMENTS for m in rule.finditer(text)]
+    opening = OPENING.match(text)
+    if opening and opening.group(1) in letters and len(set(LISTED.findall(text))) < 2:
+        said.append((0, opening.group(1)))
+    if said:
+        return min(said)[1]
+    marked = [next(g for g in m.groups() if g) for m in MARKED_LETTER.finditer(text)]
+    if marked:
+        return marked[-1]
+    whole = text.strip().rstrip(".").strip().casefold()
+    named = [i for i, c in enumerate(choices) if c.strip().casefold() == whole]
     if named:
         return letters[named[0]]
-    return last(STANDALONE_LETTER.findall(text))
+    chosen = [m.group(1) for m in STANDALONE_LETTER.finditer(text) if m.group(1) in letters and not (
+        NOT_CHOSEN_BEFORE.search(text, max(0, m.start() - 16), m.start()) or NOT_CHOSEN_AFTER.match(text, m.end()))]
+    return chosen[-1] if chosen else None
 
 
 def answer_letter(answer, choices):
@@ -147,21 +184,18 @@ def grader_function(spec):
 
 
 def own_grade(fn, conversation, reply):
-    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format).
-    Anything else, or an exception, is a GraderError: every reply needs a finite reward (there is no "not
-    applicable": a group's advantages compare all of its replies)."""
+    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format),
+    numpy's scalars too. Anything else, or an exception or a sys.exit, is a GraderError: every reply needs a finite
+    reward (there is no "not applicable": a group's advantages compare all of its replies)."""
     question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
-    where = f"--grader {fn.__module__}.{fn.__name__} on the reply {reply[:60]!r} to {question[:60]!r}"
-    try:
-        result = fn(question, reply, conversation["answer"])
-    except Exception as e:  # the user's code: whatever it raises, one line
-        raise GraderError(f"{where} raised {type(e).__name__}: {str(e)[:200]}") from None
-    values = list(result) if isinstance(result, (tuple, list)) else [result, 0.0]
-    if len(values) != 2 or not all(isinstance(v, (int, float, Fraction, decimal.Decimal)) and math.isfinite(v)
-                                   for v in values):
-        raise GraderError(f"{where} returned {result!r:.80}: return a finite number (1 for a correct reply, 0 for "
+    name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__name__', type(fn).__name__)}"
+    where = f"--grader {name} on the reply {reply[:60]!r} to {question[:60]!r}"
+    result = user_call(where, fn, question, reply, conversation["answer"])
+    values = [finite_number(v) for v in (result if isinstance(result, (tuple, list)) else [result, 0.0])]
+    if len(values) != 2 or None in values:
+        raise GraderError(f"{where} returned {shown(result)}: return a finite number (1 for a correct reply, 0 for "
                           "one it cannot grade) or a pair (correct, format)")
-    return float(values[0]), float(values[1])
+    return values[0], values[1]
 
 
 def read_problems(path, grader):
@@ -183,7 +217,10 @@ def read_problems(path, grader):
             continue
         where = f"{path} line {n}"
         try:
-            row = json.loads(line, parse_float=decimal.Decimal)  # an answer 0.1 stays the number written
+            # an answer 0.1 stays the number written; an integer past the digits Python's int reads, a Decimal
+            # (the number grader refuses it below, the others compare its text)
+            row = json.loads(line, parse_float=decimal.Decimal, parse_int=lambda digits: int(digits) if len(
+                digits) <= MAX_DIGITS else decimal.Decimal(digits))
         except ValueError as e:
             raise ValueError(f"{where} is not JSON ({e.msg}): one JSON object a line") from None
         except RecursionError:
@@ -236,15 +273,16 @@ def problem(row, where, default_grader):
                                  "answer, text or a number, or messages)")
         question = row["question"] + listing
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    said = shown(answer)  # an answer of 5,000 digits is not written out whole
     if grader == "choice" and answer_letter(answer, choices) is None:
-        raise ValueError(f"{where}: the answer {answer!r} is not the letter of one of its {len(choices)} choices "
+        raise ValueError(f"{where}: the answer {said} is not the letter of one of its {len(choices)} choices "
                          "(the choice grader needs choices and an answer such as \"B\")")
     if grader == "number" and read_number(answer) is None:
-        raise ValueError(f"{where}: the answer {answer!r} has no number for the number grader (write e.g. "
-                         "\"#### 42\", or pick another --grader)")
-    numbers = [m.group(0).strip() for m in ANY_NUMBER.finditer(plain(answer))]
+        raise ValueError(f"{where}: the answer {said} has no number for the number grader (write e.g. \"#### 42\", "
+                         f"a number of at most {MAX_DIGITS:,} digits, or pick another --grader)")
+    numbers = [shown(m.group(0).strip(), str, 20) for m in ANY_NUMBER.finditer(plain(answer))]
     if grader == "number" and not MARKED_NUMBER.search(plain(answer)) and len(numbers) > 1:
-        raise ValueError(f"{where}: the answer {answer!r} holds several numbers ({', '.join(numbers[:4])}): the "
+        raise ValueError(f"{where}: the answer {said} holds several numbers ({', '.join(numbers[:4])}): the "
                          "number grader would compare replies with the last; write the answer as one number, or "
                          "mark it: \"... #### 42\"")
     return {"messages": messages, "answer": answer, "choices": choices, "grader": grader}

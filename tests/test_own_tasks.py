@@ -3,6 +3,7 @@
 import json
 import os
 import random
+from fractions import Fraction
 
 import pytest
 
@@ -53,14 +54,59 @@ CHOICES = ["red", "green", "blue"]
     # after "answer", and before "is", "A" is the letter, not the article
     ("A is correct.", "A"), ("The answer is A because 3 < 9", "A"), ("A is the largest", "A"),
     ("Answer: A is right", "A"),
-    # a lower-case letter, or "A" / "I" used as a word, never commits
-    ("answer: c", None), ("The answer is a tricky one; I pick (C).", "C"), ("A cat sat", None), ("I see", None),
+    # "A" / "I" used as a word never commits, nor does a lower-case letter but standing alone after "answer"
+    ("answer: c", "C"), ("The answer is a tricky one; I pick (C).", "C"), ("A cat sat", None), ("I see", None),
     ("**C**", "C"), ("Answer: **B**", "B"), ("The answer is B because it is green", "B"), ("blue", "C"),
     ("(A) is wrong, so (B)", "B"), ("Green.", "B"),
 ])
 def test_the_choice_grader_reads_the_letter_a_reply_commits_to(reply, letter):
     assert read_letter(reply, CHOICES) == letter
     assert grade("choice", reply, "B", CHOICES) == (letter == "B", letter is not None)
+
+
+@pytest.mark.parametrize("reply,letter", [
+    # a reply that commits, then explains: its first commitment wins over the letters of the explanation
+    ("**Answer:** B. A is smaller.", "B"), ("B is correct because A is too small.", "B"),
+    ("The answer is B. Answer A is wrong because 3 < 9.", "B"), ("Option B. Options A and C are smaller.", "B"),
+    ("answer: b", "B"), ("I'd go with C. A and B are both smaller.", "C"),
+    ("B\nA is 3 and C is 5, so both are smaller.", "B"), ("The correct option is C; B is close but smaller.", "C"),
+    ("**B** is correct; (A) is too small.", "B"), ("ANSWER: C. B is 9 and A is 3.", "C"), ("It is B, not A.", "B"),
+    # an opening letter is no commitment where the reply lists the choices or reasons from it
+    ("A. 3\nB. 9\nC. 5\nThe largest is B", "B"), ("A is smaller than B, so B", "B"),
+])
+def test_a_choice_reply_is_read_by_its_first_commitment(reply, letter):
+    assert read_letter(reply, CHOICES) == letter
+
+
+@pytest.mark.parametrize("reply", [
+    "A good guess is 5", "A or B, I cannot tell.", "Either B or C.", "B/C", "The answer is not A.",
+    "Option A is wrong.", "The answer is a guess.", "I am not sure: a cat cannot be green.", "Not A, nor B.",
+])
+def test_a_reply_that_names_letters_without_choosing_one_commits_to_none(reply):
+    assert read_letter(reply, CHOICES) is None and grade("choice", reply, "B", CHOICES) == (False, False)
+
+
+def test_a_mixed_number_reads_whole_with_any_space_before_the_fraction():
+    # plain, no-break (U+00A0), thin (U+2009) and narrow no-break (U+202F) spaces, one or two, before "½" or "1/2"
+    for space in (" ", "\u00a0", "\u2009", "\u202f", "  "):
+        assert read_number(f"#### 1{space}\u00bd") == read_number(f"it is 1{space}1/2 cups") == Fraction(3, 2), space
+    assert grade("number", "#### 2 \u00be", "2.75", []) == (True, False)
+    # not a mixed number: a line between them, or an improper fraction (the whole part is a separate number)
+    assert read_number("step 1\n\u00bd") == Fraction(1, 2) and read_number("3 4/2") == 2
+
+
+def test_a_number_too_long_to_read_is_no_number_in_a_reply_and_one_line_in_a_file(tmp_path):
+    digits = "9" * 5000  # past the 4,300 digits Python's int reads from text
+    assert grade("number", f"#### {digits}", "7", [])[0] is False and read_number(f"so {digits}") is None
+    # an exponent past 4 digits would build an int of gigabytes ("1e999999999"): no number either
+    assert read_number("#### 1e100000") is None and read_number("#### 1e9999") == 10 ** 9999
+    path = write_jsonl(tmp_path / "big.jsonl", [f'{{"question": "q", "answer": {digits}}}'] * 2)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "big", "--task", path))
+    text = str(stop.value.code)
+    assert text.startswith(f"error: {path} line 1: the answer '9999") and "at most 4,300 digits" in text
+    assert "\n" not in text and len(text) < 400 and not os.path.exists(tmp_path / "runs" / "big")
+    assert JSONLTask(path, "train", grader="exact", test_path=path).problems[0]["answer"] == digits  # read as text
 
 
 def test_with_nine_choices_the_word_i_is_not_a_letter():
@@ -453,11 +499,33 @@ def raises(question, reply, answer):
 
 def not_finite(question, reply, answer):
     return float("nan")
+
+import sys
+
+def exits(question, reply, answer):
+    sys.exit(0)
+
+def overflows(question, reply, answer):
+    return 10 ** 400
+
+def too_long_to_write(question, reply, answer):
+    return 10 ** 5000, 1
+
+class Stop(BaseException):
+    pass
+
+def stops(question, reply, answer):
+    raise Stop("a BaseException of its own")
 """
 
 
-@pytest.mark.parametrize("name,said", [("not_applicable", "returned None"), ("a_dict", "returned {'correct': 1.0}"),
-                                       ("raises", "raised KeyError: 'score'"), ("not_finite", "returned nan")])
+@pytest.mark.parametrize("name,said", [
+    ("not_applicable", "returned None"), ("a_dict", "returned {'correct': 1.0}"),
+    ("raises", "raised KeyError: 'score' (graders.py line "), ("not_finite", "returned nan"),
+    ("exits", "called sys.exit(0) (graders.py line "),
+    ("overflows", "returned 100000000000"), ("too_long_to_write", "returned a value of type tuple"),
+    ("stops", "raised Stop: a BaseException of its own"),
+])
 def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name, said):
     path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
     (tmp_path / "graders.py").write_text(FAILING_GRADERS)
@@ -466,10 +534,158 @@ def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name
                              "--eval-every", "0", "--num-steps", "1"))
     message = str(stop.value.code)
     assert message.startswith(f"error: --grader ") and f".{name} on the reply " in message and said in message, message
-    assert "\n" not in message and ("return a finite number" in message or name == "raises")
+    raised = name in ("raises", "exits", "stops")  # where: the file, line and function it raised in
+    assert "\n" not in message and (f", in {name})" in message if raised else "return a finite number" in message)
     # the run wrote its config, and a changed grader does not resume it: a new run
     assert message.endswith("No checkpoint of this run was saved: fix the function, then run the command again "
                             "with another --run-name (--resume refuses changed inputs)"), message
+
+
+NUMPY_GRADERS = """
+import numpy as np
+
+def a_float32(question, reply, answer):
+    return np.float32(reply.strip() == answer)
+
+def a_bool(question, reply, answer):
+    return np.bool_(reply.strip() == answer)
+
+def a_pair(question, reply, answer):
+    return np.float64(reply.strip() == answer), np.int64(1)
+
+def a_tensor(question, reply, answer):
+    import torch
+    return torch.tensor(float(reply.strip() == answer))
+"""
+
+
+@pytest.mark.parametrize("name", ["a_float32", "a_bool", "a_pair", "a_tensor"])
+def test_a_grader_function_may_return_numpy_or_torch_scalars(tmp_path, name):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "graders.py").write_text(NUMPY_GRADERS)
+    task = JSONLTask(path, "train", grader=f"{tmp_path / 'graders.py'}:{name}")
+    problem = task[0]
+    right, wrong = task.reward_parts(problem, problem["answer"]), task.reward_parts(problem, "no")
+    assert right["correct"] == 1.0 and wrong["correct"] == 0.0 and task.evaluate(problem, problem["answer"])
+    assert all(type(v) is float for v in (*right.values(), *wrong.values()))
+
+
+def test_a_grader_that_exits_after_a_save_is_one_line_and_the_saved_step_stays(tmp_path):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    checkpoints = tmp_path / "runs" / "late" / "chatrl_checkpoints"
+    (tmp_path / "late.py").write_text(f"""import glob, sys
+def grade(question, reply, answer):
+    if glob.glob({str(checkpoints / "*" / "model_*.pt")!r}):
+        sys.exit(0)  # from the step after the first save
+    return float(reply.strip() == answer)
+""")
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "late", "--task", path, "--grader", f"{tmp_path / 'late.py'}:grade",
+                             "--eval-every", "0", "--num-steps", "3", "--save-every", "1"))
+    message = str(stop.value.code)  # a message, not 0: the process exits with status 1
+    assert message.startswith("error: --grader ") and ".grade on the reply " in message and "\n" not in message
+    assert "called sys.exit(0) (late.py line 4, in grade)" in message, message
+    [checkpoint_dir] = checkpoints.iterdir()
+    assert grpo.complete_steps(str(checkpoint_dir)) == [1]
+    assert f"The run's newest checkpoint, step 1 in {checkpoint_dir}, is complete" in message
+
+
+def test_a_grader_that_raises_a_base_exception_is_one_line_and_a_stop_signal_still_stops(tmp_path):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "graders.py").write_text(FAILING_GRADERS + """
+import os, signal, time
+
+def interrupted(question, reply, answer):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the grader runs (--no-save-on-stop: a stop at once)
+    time.sleep(5)
+""")
+    # the function's own BaseException is its error; a stop signal is the run's stop, with the stop's line
+    for name, said in (("stops", "error: --grader nanogrpo_task_graders.stops on the reply "),
+                       ("interrupted", "error: stopped by SIGINT")):
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(base_flags(tmp_path, name, "--task", path, "--grader", f"{tmp_path / 'graders.py'}:{name}",
+                                 "--eval-every", "1", "--num-steps", "1", "--no-save-on-stop"))
+        assert str(stop.value.code).startswith(said), stop.value.code
+
+
+def test_a_grader_or_task_module_that_exits_on_import_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    for flag, argv in (("--grader", ["--task", path, "--grader", f"{tmp_path / 'exits.py'}:grade"]),
+                       ("--task", ["--task", f"{tmp_path / 'exits.py'}:Task"])):
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(base_flags(tmp_path, "x", *argv))
+        assert str(stop.value.code) == f"error: the module {tmp_path / 'exits.py'} of {flag} could not be imported " \
+                                       "(SystemExit: 0)"
+
+
+MISBEHAVING_TASKS = TASK_FILE + """
+import sys
+
+import numpy as np
+
+
+class Exits(Reverse):
+    def reward(self, conversation, reply_text):
+        sys.exit(0)
+
+
+class Overflows(Reverse):
+    def reward(self, conversation, reply_text):
+        return 10 ** 400
+
+
+class Raises(Reverse):
+    def reward(self, conversation, reply_text):
+        raise KeyError("digits")
+
+
+class NoVerdict(Reverse):
+    def evaluate(self, conversation, reply_text):
+        return None
+
+
+class ExitsOnStart(Reverse):
+    @classmethod
+    def from_flags(cls, split, args):
+        sys.exit(3)
+
+
+class Numpy(Reverse):  # its reward a numpy float, so its verdict a numpy bool and its metric a numpy float: accepted
+    def reward(self, conversation, reply_text):
+        return np.float32(super().reward(conversation, reply_text))
+"""
+
+
+@pytest.mark.parametrize("name,said", [
+    ("Exits", "reward_parts on the reply {reply} called sys.exit(0) (own.py line {line}, in reward): it must return"),
+    ("Overflows", "reward_parts on the reply {reply} returned {{'reward': 1000000"),
+    ("Raises", "reward_parts on the reply {reply} raised KeyError: 'digits' (own.py line {line}, in reward)"),
+    ("NoVerdict", "evaluate on the reply {reply} returned None: return True for a correct reply, else False"),
+    ("ExitsOnStart", "from_flags('train') called sys.exit(3) (own.py line {line}, in from_flags)"),
+])
+def test_a_python_task_that_misbehaves_is_one_line(tmp_path, name, said):
+    (tmp_path / "own.py").write_text(MISBEHAVING_TASKS)
+    spec = f"{tmp_path / 'own.py'}:{name}"
+    line = 1 + MISBEHAVING_TASKS.split("\n").index(f"class {name}(Reverse):") + 2 + (name == "ExitsOnStart")
+    evals = ["--eval-every", "1", "--eval-examples", "2", "--pass-k", "1"] if name == "NoVerdict" else [
+        "--eval-every", "0"]  # the eval's pass@k asks for verdicts
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, "--task", spec, "--num-steps", "1", *evals))
+    message = str(stop.value.code)
+    head, _, rest = message.partition(" on the reply ")
+    reply = rest.split(" ")[0] if rest else ""
+    assert message.startswith(f"error: --task {spec}: ") and "\n" not in message, message
+    assert said.format(reply=reply, line=line) in message, message
+
+
+def test_a_python_task_may_grade_with_numpy_scalars(tmp_path):
+    (tmp_path / "own.py").write_text(MISBEHAVING_TASKS)
+    grpo.main(base_flags(tmp_path, "np", "--task", f"{tmp_path / 'own.py'}:Numpy", "--eval-every", "1",
+                         "--num-steps", "1", "--eval-examples", "4", "--final-eval-examples", "4", "--pass-k", "2"))
+    evals = [m for m in map(json.loads, open(tmp_path / "runs" / "np" / "metrics.jsonl")) if "eval_exact" in m]
+    replies = [json.loads(line) for line in open(tmp_path / "runs" / "np" / "evals" / "step_1.jsonl")]
+    assert len(evals) == 2 and all(type(r["exact"]) is float for r in replies) and len(replies) == 4
 
 
 def test_a_missing_grader_file_names_the_flag(tmp_path):
