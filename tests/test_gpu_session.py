@@ -29,7 +29,8 @@ def test_the_smoke_session_runs_every_part_on_the_cpu(tmp_path):
     (session,), rows = rows_of(tmp_path)
     assert {"device", "driver", "torch", "commit"} <= set(session) and session["torch"] == torch.__version__
     assert {row["part"] for row in rows} == set(gpu_session.WHAT)  # each part said what became of it
-    have = dict(fixture=os.path.isdir(os.path.join(SHARED, gpu_session.CHECKPOINT)),
+    have = dict(fixture=os.path.isdir(os.path.join(SHARED, gpu_session.CHECKPOINT)) and
+                os.path.isfile(os.path.join(SHARED, gpu_session.GSM8K, "train.jsonl")),
                 nanochat=os.path.isfile(os.path.join(SHARED, gpu_session.NANOCHAT, "nanochat", "gpt.py")))
     status = {row["part"]: row["status"] for row in rows}
     assert status.pop("6c") == "skipped"  # a compile: minutes on a CPU
@@ -77,10 +78,11 @@ def test_a_session_killed_mid_way_has_written_each_finished_part(tmp_path, monke
     def killed(s):
         raise Killed
     monkeypatch.setitem(gpu_session.PARTS, "3b", killed)
-    with pytest.raises(Killed):
-        gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "3a,3b,4", "--shared", SHARED])
-    (session,), rows = rows_of(tmp_path)
-    assert [row["part"] for row in rows] == ["3a"] and rows[0]["status"] == "ok"
+    with pytest.raises(Killed):  # without ../shared too: nanochat's code absent, our model alone
+        gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "3a,3b,4", "--shared", str(tmp_path / "no")])
+    _, rows = rows_of(tmp_path)
+    assert [(row["part"], row["status"]) for row in rows] == [("3a", "ok")]
+    assert "nanochat's code not found: ours alone" in rows[0]["summary"]
 
 
 def test_prepare_lays_out_what_the_device_copy_needs(tmp_path, capsys):
