@@ -33,11 +33,10 @@ def gsm8k_reply_lengths(tokenizer, gsm8k_dir, bytes_per_token, n, max_new_tokens
     max_new_tokens. Raises OSError / ValueError without the data."""
     task = GSM8K("train", data_dir=gsm8k_dir)
     counts = []
-    for i in range(len(task)):
-        ids, mask = tokenizer.render_conversation(task[i])
+    for i in torch.randint(0, len(task), (n,), generator=torch.Generator().manual_seed(seed)).tolist():
+        ids, mask = tokenizer.render_conversation(task[i])  # only the drawn answers rendered: seconds less
         counts.append(len(ids) - mask.index(1))  # from the reply's first token through its stop token
-    drawn = torch.tensor(counts)[torch.randint(0, len(counts), (n,), generator=torch.Generator().manual_seed(seed))]
-    return (drawn / bytes_per_token).round().long().clamp(1, max_new_tokens)
+    return (torch.tensor(counts) / bytes_per_token).round().long().clamp(1, max_new_tokens)
 
 
 def describe(lengths, bytes_per_token):

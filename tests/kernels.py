@@ -10,6 +10,7 @@ unbounded, (W, 0) causal within W keys back; enable_gqa when H_kv < H, H a multi
 queries are its last ones (causal from the bottom right: a query sees the keys up to its own position counted from
 the end), as in a decode step over a KV cache."""
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -101,3 +102,20 @@ def strict_varlen_attn_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q,
     """torch 2.11's varlen_attn: no enable_gqa keyword, so key and value have as many heads as the query."""
     return strict_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
                               window_size=window_size)
+
+
+@contextmanager
+def flash_on_the_cpu(kernel=strict_varlen_attn):
+    """model.py's GPU attention branches forced on the CPU, through kernel (a stand-in above): packed passes in bf16
+    (flash_varlen) and the static decode step over each row's written columns (cached_attention), grouped heads on
+    as torch 2.12's kernel takes them. All put back after."""
+    import model
+    saved = model.flash_varlen, model.VARLEN_GQA, model.varlen_attn, dict(model.DECODE_FLASH)
+    model.flash_varlen = lambda q: q.dtype in (torch.bfloat16, torch.float16)
+    model.VARLEN_GQA, model.varlen_attn = True, kernel
+    model.DECODE_FLASH["failed"] = False
+    try:
+        yield
+    finally:
+        model.flash_varlen, model.VARLEN_GQA, model.varlen_attn, decode_flash = saved
+        model.DECODE_FLASH.update(decode_flash)

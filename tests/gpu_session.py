@@ -1,0 +1,517 @@
+"""
+One GPU session: every GPU number the project waits on, from one command on one H100 or H200, in priority order
+within a time budget. Each part's result is written to DIR the moment it is measured (a JSON line in
+DIR/results.jsonl, a row of DIR/results.md; appended, flushed and synced), so a call cut at its limit keeps what it
+measured.
+
+    python tests/gpu_session.py --prepare .gpu        # here: GSM8K, one fixture, nanochat's code (~6 MiB) into .gpu/
+    python3 tests/gpu_session.py --out DIR            # there: every part that fits --budget-s (540 s)
+    python tests/gpu_session.py --plan                # each part's expected seconds on a GPU, and its source
+    python tests/gpu_session.py --smoke --out DIR     # every part at tiny shapes on the CPU (the suite runs it)
+    python3 tests/gpu_session.py --out DIR --parts 6b,6c   # some parts (a second call on a warm machine, say)
+
+The device tool's call, ready to paste, is in docs/performance.md. Parts, in priority order (PLAN holds each one's
+expected seconds and where that number comes from):
+ 1   the suite's CUDA tests (`pytest -m cuda`: the real kernels against the masked paths), a process of its own;
+ 2   the main command (grpo.py) on a trained fixture with a GPU run's defaults (bf16, compile, captured decode, the
+     self-check), 2 steps: its self-check line. 1 and 2 run beside 3a, and end before anything is timed;
+ 3a  the d20 models (nanochat's GPT with its init, seed 0, and ours holding the same weights), our decode compiled;
+ 3b  rollouts at d20, graph + compile, at full length and at GSM8K's real lengths, the decode against its bound;
+     nanochat's Engine as chat_rl.py calls it on the same weights and lengths (a few questions: its rate);
+ 4   the compiled d20 update, `grpo` then `reinforce` on 3b's replies, packed at the memory plan's fit for `grpo`
+     (`reinforce` at the same size, so that it reuses the compiled pass): seconds, MFU, peak memory next to the
+     plan, the top kernels;
+ 5a  nanochat's chat_rl update loop and our `reinforce` update on the same rows (3b's real-length replies);
+ 5b  nanochat's base_train step on the same model, compiled (the ceiling of its training speed here);
+ 6a  the d20 self-check, eager; 6b the other decode modes and one prompt a call; 6c the d20 self-check compiled.
+A part is skipped, with a row saying so, when its expected seconds exceed what is left of the budget; one that
+fails writes its error's line and the next part runs. --smoke runs every part on the CPU at tiny shapes: eager
+(compiling on a CPU takes minutes: 6c is skipped), the flash kernels through their strict stand-ins
+(tests/kernels.py), the main command in float32 with --self-check.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+sys.path[:0] = [ROOT, TESTS]
+import grpo  # noqa: E402, F401  (before torch: it bounds how long OpenMP's waiting threads spin, as in a run)
+import torch  # noqa: E402
+
+import bench_gpu  # noqa: E402
+import bench_vs_nanochat  # noqa: E402
+from bench_shared import stopping_at, timed  # noqa: E402
+from kernels import flash_on_the_cpu  # noqa: E402
+
+# What the device copy needs from ../shared, relative to it (--prepare lays out the same paths under its folder)
+GSM8K = os.path.join("data", "gsm8k")
+FIXTURE = os.path.join("fixtures", "nanochat", "smear-backout", "base")  # the newest generation, its tokenizer too
+CHECKPOINT = os.path.join(FIXTURE, "chatsft_checkpoints", "d4")
+NANOCHAT = os.path.join("peers", "nanochat")
+CARRIED = (GSM8K, FIXTURE, os.path.join(NANOCHAT, "nanochat"), os.path.join(NANOCHAT, "LICENSE"))
+SHARED = os.path.join(ROOT, "..", "shared")
+PREPARED = os.path.join(ROOT, ".gpu")  # where --prepare lays it out by default: ignored, carried
+
+# Each part: id, what, expected seconds on one H100 or H200, on the 2-core CPU with --smoke, and where the GPU
+# number comes from (docs/performance.md: H100 of 2026-11-24, H200 of 2026-11-26; "estimate" where none was
+# measured). Parts 1 and 2 run beside 3a; the rest one after another.
+PLAN = [
+    ("1", "the suite's CUDA tests", 90, 6, "6 passed in 85-89 s (H200, 2026-11-26); the 2 added since are eager"),
+    ("2", "the main command on a fixture, 2 steps", 150, 12,
+     "estimate: grpo.py's start and its self-check's compile at d4 (136 s at d20: H200, 2026-11-26), 2 steps"),
+    ("3a", "d20 models, the decode step compiled", 100, 1,
+     "compiling the decode step 86 s (H100, 2026-11-24; 59 s H200, 2026-11-26), building the models"),
+    ("3b", "rollouts at d20 and nanochat's Engine", 40, 3,
+     "a call 2.1 s full length (H100, 2026-11-24); the Engine's 4 questions an estimate (~25 s)"),
+    ("4", "the compiled d20 update, grpo and reinforce", 190, 3,
+     "compiling grpo 138 s, a step 4.3 s; reinforce with the compile warm 13 s, 2.9 s (H200, 2026-11-26)"),
+    ("5a", "nanochat's chat_rl update beside ours", 55, 2,
+     "estimate: nanochat's eager loop and its optimizer's compile; ours reuses 4's compiled pass"),
+    ("5b", "nanochat's base_train step", 100, 2,
+     "estimate: like compiling our reinforce update (75 s, H200, 2026-11-26), then 4 steps of 65,536 tokens"),
+    ("6a", "the d20 self-check, eager", 15, 1, "8.0 s (H200, 2026-11-26)"),
+    ("6b", "the other decode modes, one prompt a call", 40, 2,
+     "graph / static / dynamic 2.1 / 4.9 / 5.2 s a call, one prompt a call 12.5 s (H100, 2026-11-24), warm-ups"),
+    ("6c", "the d20 self-check, compiled", 140, 0, "135.8 s with its compile (H200, 2026-11-26)"),
+]
+WHAT = {part: what for part, what, *_ in PLAN}
+BACKGROUND = ("1", "2")  # processes of their own, beside 3a; every later part waits for them, so nothing is timed
+# beside them
+
+
+def expected(part, smoke):
+    return next(row[3 if smoke else 2] for row in PLAN if row[0] == part)
+
+
+def timeline(budget, smoke, parts=WHAT):
+    """-> [(part, expected seconds, its end, whether it fits)] if each part takes its expected seconds: 1 and 2 from
+    the start beside 3a, each later part after them and after the part before it. A part that would end past the
+    budget does not fit (at run time it is skipped where what is left of the budget is short of its seconds)."""
+    rows, background, clock = [], 0, 0
+    for part in (p for p, *_ in PLAN if p in parts):
+        seconds = expected(part, smoke)
+        if part in BACKGROUND:
+            end = seconds
+            background = max(background, end)
+        else:
+            end = clock = (clock if part == "3a" else max(clock, background)) + seconds
+        rows.append((part, seconds, end, end <= budget))
+    return rows
+
+
+def print_plan(budget, smoke):
+    sources = {part: source for part, *_, source in PLAN}
+    rows = timeline(budget, smoke)
+    where = "on the CPU (--smoke)" if smoke else "on one H100 / H200"
+    print(f"expected seconds a part {where}, budget {budget:.0f} s:")
+    for part, seconds, end, fits in rows:
+        print(f"  {part:3s} {seconds:4.0f} s, ends at {end:4.0f} s {'' if fits else '(if time is left) '}"
+              f"{WHAT[part]}: {'' if smoke else sources[part]}")
+    planned = [(part, end) for part, _, end, fits in rows if fits]
+    print(f"planned: {', '.join(part for part, _ in planned) or 'none'}, ending at "
+          f"{max((end for _, end in planned), default=0):.0f} s; if time is left: "
+          f"{', '.join(part for part, *_, fits in rows if not fits) or 'none'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The results: each row appended and synced the moment it is known
+
+def append(path, text):
+    """Appends text to path and puts it on the disk now: a process killed a moment later keeps it."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def record(s, part, status, seconds, summary, **numbers):
+    row = dict(part=part, what=WHAT[part], status=status, seconds=round(seconds, 1), summary=summary, **numbers)
+    with s.lock:  # the background parts' threads record too
+        append(os.path.join(s.out, "results.jsonl"), json.dumps(row, default=str) + "\n")
+        cells = (part, WHAT[part], status, summary.replace("|", "/").replace("\n", "; "), f"{seconds:.0f} s")
+        append(os.path.join(s.out, "results.md"), "| " + " | ".join(cells) + " |\n")
+    print(f"[{part}] {status} in {seconds:.0f} s: {summary}", flush=True)
+
+
+def command_output(argv):
+    try:
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def source_commit(s):
+    """The checkout's commit (+ "dirty" with changes not committed); on the device, which gets a copy of the files
+    without git, the one --prepare wrote beside the data."""
+    commit = command_output(["git", "rev-parse", "--short", "HEAD"])
+    if commit:
+        return commit + (" + changes not committed" if command_output(["git", "status", "--porcelain"]) else "")
+    path = os.path.join(s.shared, "SOURCE")
+    return open(path).read().strip() + " (as --prepare found it)" if os.path.isfile(path) else "unknown"
+
+
+def header(s):
+    driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if s.cuda else "-"
+    info = dict(device=s.gpu.name, driver=driver or "unknown", torch=torch.__version__, cuda=torch.version.cuda,
+                commit=source_commit(s), budget_s=s.budget, smoke=s.smoke,
+                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    with s.lock:
+        append(os.path.join(s.out, "results.jsonl"), json.dumps(dict(session=info)) + "\n")
+        append(os.path.join(s.out, "results.md"), f"\n## GPU session, {info['started']}\n\n{info['device']}, driver "
+               f"{info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit {info['commit']}; budget "
+               f"{s.budget:.0f} s{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
+               "seconds |\n| --- | --- | --- | --- | ---: |\n")
+    print(f"session: {info}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parts 1 and 2: processes of their own
+
+def run_logged(s, argv, log, env=None):
+    """-> (exit status, output lines) of argv run from the repository's root, its output going to DIR/log as it
+    comes; stopped at the end of the budget (status None)."""
+    path = os.path.join(s.out, log)
+    with open(path, "w", encoding="utf-8") as out:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+        try:
+            status = process.wait(timeout=max(1.0, s.budget - (time.monotonic() - s.start)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            status = None
+    return status, open(path, encoding="utf-8", errors="replace").read().splitlines()
+
+
+def cuda_test_files():
+    """The suite's files that hold CUDA tests (pytest collects only these: each file collected costs seconds)."""
+    return sorted(os.path.join("tests", name) for name in os.listdir(TESTS) if name.startswith("test_") and
+                  name.endswith(".py") and "pytest.mark.cuda" in open(os.path.join(TESTS, name)).read())
+
+
+def part_cuda_tests(s):
+    env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"))
+    if s.smoke:  # the plumbing alone: the tests skip without a GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    status, lines = run_logged(s, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                   *cuda_test_files()], "cuda_tests.log", env)
+    last = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
+    counts = {word.rstrip("s"): int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    summary = (last.strip("= ") or f"no summary (exit status {status})") + "".join(f"; {line}" for line in failed)
+    return dict(status="ok" if status == 0 else "cut at the budget" if status is None else "failed",
+                summary=summary, counts=counts, failed=failed)
+
+
+def part_main_command(s):
+    checkpoint, gsm8k = os.path.join(s.shared, CHECKPOINT), os.path.join(s.shared, GSM8K)
+    if not os.path.isdir(checkpoint) or not os.path.isfile(os.path.join(gsm8k, "train.jsonl")):
+        return dict(status="skipped", summary=f"no fixture at {checkpoint} or no GSM8K at {gsm8k} (--prepare)")
+    size = ["--num-steps", "2", "--prompts-per-step", "2", "--max-new-tokens", "64"]
+    if s.smoke:  # a CPU run, its self-check asked for (on the GPU it is the default)
+        size = ["--device", "cpu", "--self-check", "--num-steps", "1", "--prompts-per-step", "1", "--num-samples", "2",
+                "--max-new-tokens", "8"]
+    runs = tempfile.mkdtemp(prefix="gpu_session_runs_")  # a run's checkpoints stay out of DIR
+    try:
+        status, lines = run_logged(s, [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
+                                       "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0", "--runs-dir",
+                                       runs, "--run-name", "gpu-session"] + size, "main_command.log")
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+    check = next((line for line in lines if line.startswith(("self-check:", "error:"))), None)
+    steps = [line for line in lines if line.startswith("step ")]
+    return dict(status="ok" if status == 0 else "cut at the budget" if status is None else "failed",
+                summary=" / ".join(filter(None, [check or "no self-check line", *steps[-1:]])),
+                self_check=check, steps=steps, exit_status=status)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parts 3-6: this process, one model pair, compiles shared
+
+def models(s):
+    """-> (nanochat's GPT or None, ours): the session's one pair, built on first use, with the same weights
+    (nanochat's init); without nanochat's code, ours alone (tests/bench_gpu.py's random model)."""
+    if s.ours is None:
+        if s.vs.nc:
+            s.theirs, s.ours, s.logits_apart = bench_vs_nanochat.the_same_random_weights(s.vs)
+        else:
+            s.ours = bench_gpu.random_model(s.gpu, s.vs.shape)
+        s.ours.eval()
+    return s.theirs, s.ours
+
+
+def part_models(s):
+    theirs, ours = models(s)
+    label, decode, compiled = s.modes[0]
+    ours.use_compile = compiled
+    _, seconds = timed(lambda: bench_gpu.rollouts(s.gpu, ours, s.prompts[:2], decode), s.cuda)
+    params = sum(p.numel() for p in ours.parameters())
+    same = "nanochat's code not found: ours alone" if theirs is None else \
+        f"nanochat's init read into ours, logits {s.logits_apart:.1e} apart"
+    return dict(summary=f"{params / 1e6:.0f}M parameters, {same}; the first decode call ({label}) {seconds:.1f} s",
+                parameters=params, logits_apart=s.logits_apart, decode_compile_s=seconds)
+
+
+def part_rollouts(s):
+    g, (theirs, ours) = s.gpu, models(s)
+    bandwidth = bench_gpu.copy_bandwidth(g)
+    label = s.modes[0][0]
+    calls, _ = bench_gpu.rollout_modes(g, ours, s.prompts, s.modes)
+    s.samples, seconds = calls[label]
+    prefill, step, bound = bench_gpu.decode_step(g, ours, s.prompts, seconds, label, bandwidth)
+    tokens = len(s.prompts) * g.samples * g.new_tokens
+    numbers = dict(bandwidth_gbs=bandwidth / 1e9, full_tokens_s=tokens / seconds, full_s=seconds,
+                   decode_step_ms=1e3 * step, decode_bound_ms=1e3 * bound, decode_share=bound / step)
+    summary = [f"{label}, full length: {tokens / seconds:,.0f} tokens/s ({seconds:.2f} s), a decode step "
+               f"{1e3 * step:.2f} ms, bound {1e3 * bound:.2f} ms: {bound / step:.0%}"]
+    s.lengths = bench_gpu.real_length_lengths(g, len(s.prompts) * g.samples)
+    if s.lengths is not None:
+        s.real_samples, call, decode, bound = bench_gpu.real_length_rollouts(
+            g, ours, s.prompts, s.lengths, bandwidth, prefill, s.modes[:1])[label]
+        real = int(s.lengths.sum())
+        numbers.update(real_tokens_s=real / call, real_s=call, real_decode_s=decode, real_bound_s=bound,
+                       real_decode_share=bound / decode)
+        summary.append(f"real lengths: {real / call:,.0f} tokens/s ({call:.2f} s), decode {decode:.2f} s, bound "
+                       f"{bound:.2f} s: {bound / decode:.0%}")
+        if theirs is not None:
+            some = s.prompts[:s.engine_prompts]
+            _, their_seconds = bench_vs_nanochat.engine_rollouts(s.vs, theirs, some, s.lengths)
+            theirs_rate = int(s.lengths[:len(some) * g.samples].sum()) / their_seconds
+            numbers.update(engine_tokens_s=theirs_rate, engine_s=their_seconds,
+                           ours_over_engine=real / call / theirs_rate)
+            summary.append(f"nanochat's Engine ({len(some)} questions) {theirs_rate:,.0f} tokens/s: ours "
+                           f"{real / call / theirs_rate:.1f}x")
+    return dict(summary="; ".join(summary), **numbers)
+
+
+def shown(value, form):
+    return "-" if value is None else form.format(value)
+
+
+def step_numbers(step, sample_s):
+    """-> (a row's line, its numbers) of one training step (bench_gpu.training_step), sampled in sample_s."""
+    numbers = {k: step[k] for k in ("logprobs_s", "update_s", "compile_s", "mfu", "peak_gib", "plan_gib",
+                                    "micro_batches", "kernels")}
+    numbers.update(sample_s=sample_s, step_s=None if sample_s is None else
+                   sample_s + step["logprobs_s"] + step["update_s"])
+    kernels = ", ".join(f"{name[:40]} {share:.0%}" for name, _, share in (step["kernels"] or [])[:4])
+    summary = (f"{step['size']} tokens a pass: update {step['update_s']:.2f} s, MFU {shown(step['mfu'], '{:.1%}')}, "
+               f"old+ref log-probs {step['logprobs_s']:.2f} s, step {shown(numbers['step_s'], '{:.2f} s')} "
+               f"(sampling: 3b's full-length call); peak {shown(step['peak_gib'], '{:.1f} GiB')}, plan "
+               f"{step['plan_gib']:.1f} GiB; compile {shown(step['compile_s'], '{:.0f} s')}; top kernels: {kernels}")
+    return summary, numbers
+
+
+def part_update(s):
+    g, (theirs, ours) = s.gpu, models(s)
+    if theirs is not None:
+        theirs.cpu()  # the GPU holds the bench's one model, as in the earlier measurements
+    _, s.tokens_per_pass = bench_gpu.fitted_sizes(g, ours, "grpo", s.cuda)
+    sample_s = s.numbers.get("3b", {}).get("full_s")
+    for algo in ("grpo", "reinforce"):
+        begin = time.monotonic()
+        step = bench_gpu.training_step(g, ours, s.prompts, algo, s.cuda, ("tokens", s.tokens_per_pass),
+                                       samples=s.samples)
+        summary, numbers = step_numbers(step, sample_s if s.samples is not None else step["sample_s"])
+        if algo == "grpo":  # kept now, whatever becomes of reinforce's step
+            record(s, "4", "ok", time.monotonic() - begin, f"grpo: {summary}", algo=algo, **numbers)
+    s.update_mfu = numbers["mfu"]
+    return dict(summary=f"reinforce: {summary}", algo="reinforce", **numbers)
+
+
+def part_vs_chat_rl(s):
+    vs, (theirs, ours) = s.vs, models(s)
+    if theirs is None:
+        return dict(status="skipped", summary=f"nanochat's code is not at {vs.nanochat}")
+    theirs.to(s.device)
+    if s.real_samples is None:  # 3b did not run: replies at the real lengths now (full length without GSM8K)
+        lengths = bench_gpu.real_length_lengths(s.gpu, len(s.prompts) * vs.num_samples)
+        with stopping_at(lengths, vs.tokenizer.assistant_end) if lengths is not None else nullcontext():
+            s.real_samples = bench_gpu.rollouts(s.gpu, ours, s.prompts)
+    rows = bench_vs_nanochat.engine_rows(vs, s.real_samples, s.prompts)
+    their_s, our_s, real = bench_vs_nanochat.update_side_by_side(vs, theirs, ours, s.prompts, rows,
+                                                                 s.tokens_per_pass)
+    return dict(summary=f"{len(rows)} rows, {real} tokens: chat_rl.py's loop {their_s:.2f} s ({real / their_s:,.0f} "
+                        f"tokens/s), our reinforce update {our_s:.2f} s: {their_s / our_s:.1f}x",
+                chat_rl_s=their_s, ours_s=our_s, tokens=real, ratio=their_s / our_s)
+
+
+def part_vs_base_train(s):
+    vs, (theirs, ours) = s.vs, models(s)
+    if theirs is None:
+        return dict(status="skipped", summary=f"nanochat's code is not at {vs.nanochat}")
+    ours.cpu()  # nanochat's batch of 32 full rows is sized for a GPU that holds its model alone
+    theirs.to(s.device)
+    try:
+        tokens_s, mfu, first_s = bench_vs_nanochat.pretrain_step(vs, theirs)
+    finally:
+        theirs.cpu()
+        ours.to(s.device)
+    ratio = "" if mfu is None or s.update_mfu is None else f"; our reinforce update's MFU (4) {s.update_mfu / mfu:.2f}x"
+    return dict(summary=f"{vs.pretrain_rows} rows of {vs.seq_len}: {tokens_s:,.0f} tokens/s, MFU "
+                        f"{shown(mfu, '{:.1%}')}{ratio}; first step (its compile) {first_s:.0f} s",
+                tokens_s=tokens_s, mfu=mfu, first_step_s=first_s)
+
+
+def part_self_check(s, compiled):
+    if compiled and not s.cuda:
+        return dict(status="skipped", summary="compiling on a CPU takes minutes: left to the GPU")
+    lines = bench_gpu.fast_path_check(s.gpu, models(s)[1], compiled=(compiled,))
+    return dict(summary=" / ".join(lines), lines=lines)
+
+
+def part_decode_modes(s):
+    g, ours = s.gpu, models(s)[1]
+    modes = [("graph", "graph", False)] * s.cuda + [("static", "static", False), ("dynamic", "dynamic", False)]
+    calls, _ = bench_gpu.rollout_modes(g, ours, s.prompts, modes)
+    tokens = len(s.prompts) * g.samples * g.new_tokens
+    _, per_prompt = timed(lambda: [bench_gpu.rollouts(g, ours, [p]) for p in s.prompts], s.cuda)
+    rates = {label: tokens / seconds for label, (_, seconds) in calls.items()}
+    rates["one prompt a call"] = tokens / per_prompt
+    return dict(summary="; ".join(f"{label} {rate:,.0f} tokens/s" for label, rate in rates.items()), tokens_s=rates)
+
+
+IN_PROCESS = {"3a": part_models, "3b": part_rollouts, "4": part_update, "5a": part_vs_chat_rl,
+              "5b": part_vs_base_train, "6a": lambda s: part_self_check(s, False), "6b": part_decode_modes,
+              "6c": lambda s: part_self_check(s, True)}
+PARTS = {"1": part_cuda_tests, "2": part_main_command, **IN_PROCESS}
+
+
+def run_part(s, part):
+    """Runs one part and records its row (a failure's too: its line, the traceback in DIR/errors.log)."""
+    begin = time.monotonic()
+    try:
+        numbers = PARTS[part](s)
+        status, summary = numbers.pop("status", "ok"), numbers.pop("summary")
+    except Exception as e:  # the next part runs: one part's failure is one finding
+        status, summary, numbers = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", {}
+        with s.lock:
+            append(os.path.join(s.out, "errors.log"), f"part {part}:\n{traceback.format_exc()}\n")
+        if s.cuda:
+            bench_gpu.free_memory(s.gpu)
+    s.numbers[part] = numbers
+    record(s, part, status, time.monotonic() - begin, summary, **numbers)
+
+
+def fits(s, part):
+    """Whether the part's expected seconds fit in what is left of the budget; records it skipped where not."""
+    left = s.budget - (time.monotonic() - s.start)
+    if expected(part, s.smoke) <= left:
+        return True
+    record(s, part, "skipped", 0.0, f"expected {expected(part, s.smoke):.0f} s, {max(left, 0):.0f} s of the budget "
+           "left")
+    return False
+
+
+def run_session(s):
+    header(s)
+    background = [threading.Thread(target=run_part, args=(s, part)) for part in BACKGROUND
+                  if part in s.parts and fits(s, part)]
+    for thread in background:
+        thread.start()
+    # on the CPU: the GPU's kernels through their stand-ins (their contracts checked), and nothing compiled (nanochat
+    # compiles its optimizer's steps: minutes on a CPU)
+    with flash_on_the_cpu() if s.smoke else nullcontext(), \
+            torch.compiler.set_stance("force_eager") if s.smoke else nullcontext():
+        for part in (p for p in IN_PROCESS if p in s.parts):
+            if part != "3a" and s.cuda:  # nothing is timed beside the background parts
+                for thread in background:
+                    thread.join()
+            if fits(s, part):
+                run_part(s, part)
+    for thread in background:
+        thread.join()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def prepare(target, shared):
+    """Lays out what the device copy needs from ../shared under target (an ignored folder for the device tool's
+    carry), and the commit it was prepared at."""
+    for path in CARRIED:
+        source, copy = os.path.join(shared, path), os.path.join(target, path)
+        if not os.path.exists(source):
+            sys.exit(f"error: {source} not found: pass --shared, the folder holding data/, fixtures/ and peers/")
+        if os.path.isdir(source):
+            shutil.copytree(source, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            os.makedirs(os.path.dirname(copy), exist_ok=True)
+            shutil.copy2(source, copy)
+    commit = command_output(["git", "rev-parse", "--short", "HEAD"]) or "unknown"
+    with open(os.path.join(target, "SOURCE"), "w") as f:
+        f.write(commit + (" + changes not committed" if command_output(["git", "status", "--porcelain"]) else ""))
+    size = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(target) for name in names)
+    print(f"{target}: {size / 2 ** 20:.1f} MiB (the device tool carries at most 64 MiB in all)")
+    if command_output(["git", "check-ignore", os.path.abspath(target)]) is None:
+        print(f"note: git does not ignore {target}: the device copy takes it only if it is ignored and carried")
+
+
+def settings(args):
+    """The session's shared state: both benches configured alike (the d20 shapes of docs/performance.md, or tiny
+    ones on the CPU), the prompts, and the slots the parts fill in for the parts after them."""
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    shape, vocab, prompts, samples, prompt_len, new_tokens = ("tiny", "512", "2", "2", "8", "12") if smoke else \
+        ("d20", "65536", "16", "16", "128", "256")
+    common = ["--vocab-size", vocab, "--prompts", prompts, "--prompt-len", prompt_len, "--device", device,
+              "--gsm8k-dir", os.path.join(args.shared, GSM8K)]
+    gpu = bench_gpu.configure(common + ["--shapes", shape, "--samples", samples, "--new-tokens", new_tokens,
+                                        "--profile"])
+    vs = bench_vs_nanochat.configure(common + ["--shape", shape, "--num-samples", samples, "--max-new-tokens",
+                                               new_tokens, "--nanochat", os.path.join(args.shared, NANOCHAT)] +
+                                     (["--seq-len", "32", "--device-batch-size", "2", "--pretrain-rows", "2"] * smoke))
+    modes = [("graph+compile", "graph", True)] if not smoke else [("static (the GPU's graph+compile)", "static", False)]
+    return SimpleNamespace(out=args.out, shared=args.shared, budget=args.budget_s, smoke=smoke, parts=args.parts,
+                           cuda=not smoke, device=gpu.device, gpu=gpu, vs=vs, modes=modes,
+                           prompts=bench_gpu.random_prompts(gpu), engine_prompts=1 if smoke else 4,
+                           start=time.monotonic(), lock=threading.Lock(), numbers={}, theirs=None, ours=None,
+                           logits_apart=None, samples=None, real_samples=None, lengths=None, tokens_per_pass=None,
+                           update_mfu=None)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="the folder the results go to (results.jsonl, results.md, logs)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole session")
+    parser.add_argument("--parts", default=",".join(WHAT), help="comma-separated, of " + ", ".join(WHAT))
+    parser.add_argument("--shared", help="the folder holding data/gsm8k, fixtures/nanochat and peers/nanochat "
+                                         "(default: .gpu where --prepare made it, else ../shared; --prepare copies "
+                                         "from ../shared)")
+    parser.add_argument("--smoke", action="store_true", help="every part on the CPU at tiny shapes")
+    parser.add_argument("--plan", action="store_true", help="print each part's expected seconds and exit")
+    parser.add_argument("--prepare", metavar="DIR", help="lay out the device copy's data under DIR and exit")
+    args = parser.parse_args(argv)
+    args.parts = args.parts.split(",")
+    unknown = [part for part in args.parts if part not in WHAT]
+    if unknown:
+        parser.error(f"no part {', '.join(unknown)}: the parts are {', '.join(WHAT)}")
+    if args.plan:
+        return print_plan(args.budget_s, args.smoke)
+    if args.prepare:
+        return prepare(args.prepare, args.shared or SHARED)
+    args.shared = args.shared or (PREPARED if os.path.isdir(PREPARED) else SHARED)
+    if not args.out:
+        parser.error("--out DIR is needed (or --plan, or --prepare DIR)")
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_session.py measures a CUDA GPU, and this machine has none (--smoke runs every part on the CPU)")
+        return
+    if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
+        torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
+    os.makedirs(args.out, exist_ok=True)
+    run_session(settings(args))
+
+
+if __name__ == "__main__":
+    main()
