@@ -813,7 +813,9 @@ arg("--eval-every", type=at_least(0), default=60,
     help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
-arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit")
+arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit; "
+    "with --resume the run's newest checkpoint, written to the run's eval_only.jsonl and evals/eval_only_step_N.jsonl "
+    "only")
 arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
     "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
@@ -933,19 +935,19 @@ def main(argv=None):
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = int(os.environ.get("RANK", "0"))
-    writes = args.resume or not (args.eval_only or args.ask)  # evaluating a checkpoint writes no run folder
+    # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
+    writes = not (args.eval_only or args.ask)
     with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
         try:
-            with lock_run_dir(run_dir) if rank == 0 and writes else nullcontext():
+            with lock_run_dir(run_dir) if rank == 0 and (writes or (args.eval_only and args.resume)) else nullcontext():
                 run = start_run(args, run_dir, rank, writes)
                 if args.eval_only or args.ask:
-                    result = ask(args, run) if args.ask else run_eval(args, run, run.start_step,
-                                                                      args.final_eval_examples)
+                    result = ask(args, run) if args.ask else run_eval(args, run, run.start_step if args.resume else
+                                                                      run.model.start_step, args.final_eval_examples)
                     leave_process_group()
                     return result
                 STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal: the step ends, saved
-                if run.start_step == 0 and args.eval_every:
-                    run_eval(args, run, 0, args.eval_examples)
+                first_eval(args, run)
                 train(args, run)
                 STOP["at_step_end"] = False
                 run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
@@ -970,6 +972,9 @@ def main(argv=None):
                 raise
             world_size = dist.get_world_size()
             other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+            if STOP["received"]:  # signalled too (a terminal's Ctrl-C, a scheduler): the other ended on a second one
+                stop_run(run_dir, f"stopped by {STOP['received']}; {other} ended at once, on a second signal, before "
+                         "this rank reached the step's end", "")
             stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
                      f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
                      "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
@@ -1040,9 +1045,9 @@ def stop_signals():
 
 def stop_at_step_end(signum, frame):
     """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    then stops); a second one, or one outside the steps, stops at once (after a write under way). Under torchrun the
-    same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered twice (by the launcher too), and
-    changes nothing."""
+    skipping or abandoning an eval, then stops); a second one, or one outside the steps, stops at once (after a
+    write under way). Under torchrun the same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered
+    twice (by the launcher too), and changes nothing."""
     name, now = signal.Signals(signum).name, time.monotonic()
     repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
     if STOP["received"] == name and now - STOP["since"] < repeat:
@@ -1053,8 +1058,8 @@ def stop_at_step_end(signum, frame):
         return stop_signal(signum, frame)
     if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
         second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
-        os.write(2, f"{name}: the step under way finishes and is saved, then the run stops ({second} stops it at "
-                    "once)\n".encode())
+        os.write(2, f"{name}: the step under way finishes and is saved, before any eval, then the run stops "
+                    f"({second} stops it at once)\n".encode())
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
@@ -1184,8 +1189,8 @@ def check_config(args):
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
         (args.kl_coef < 0, "--kl-coef must be >= 0"),
         (args.distill_coef < 0, "--distill-coef must be >= 0"),
-        (args.distill_coef > 0 and not args.teacher, f"{distilling} needs a teacher: --teacher DIR (a checkpoint "
-         "folder of a model with the policy's tokenizer, or a run folder of grpo.py)"),
+        (args.distill_coef > 0 and not (args.teacher or args.eval_only or args.ask), f"{distilling} needs a teacher: "
+         "--teacher DIR (a checkpoint folder of a model with the policy's tokenizer, or a run folder of grpo.py)"),
         (args.teacher and not args.distill_coef > 0, "--teacher is read only with --distill-coef > 0 (--algo distill "
          "sets 1.0)"),
         (args.advantage == "none" and not args.distill_coef > 0 and not args.entropy_coef,
@@ -1539,7 +1544,7 @@ def on_device(module, device):
 
 def start_run(args, run_dir, rank, writes):
     """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
-    False (evaluating a checkpoint) nothing is written into the run folder."""
+    False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
     if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # before ranks meet
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     world_size, device, master, log, dtype, autocast = start_process(args, rank)
@@ -1579,7 +1584,7 @@ def start_run(args, run_dir, rank, writes):
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
                           metrics_path=os.path.join(run_dir, "metrics.jsonl"),
                           samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0,
+                          signal_less_steps=0, start_evaluated=False,
                           writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
@@ -1591,7 +1596,7 @@ def start_run(args, run_dir, rank, writes):
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
     run.wandb = None
-    if args.wandb and master:
+    if args.wandb and master and writes:
         import wandb
         run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
     return run
@@ -1806,7 +1811,9 @@ def load_policy(args, log, shapes_only=False):
         if shapes_only:
             with torch.device("meta"):
                 return GPT(config), tokenizer, f"d{args.depth}"
-        return GPT(config).init_weights(args.seed), tokenizer, f"d{args.depth}"
+        model = GPT(config).init_weights(args.seed)
+        model.start_step = 0
+        return model, tokenizer, f"d{args.depth}"
     checkpoint_dir = start_checkpoint_dir(args)
     try:
         model, meta = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
@@ -1817,6 +1824,7 @@ def load_policy(args, log, shapes_only=False):
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
+    model.start_step = meta.get("step", 0) if isinstance(meta, dict) else 0  # what --eval-only's line names
     trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
     model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
@@ -2255,7 +2263,8 @@ def stop_run(run_dir, problem, remedy, resume=True):
 def write_run_files(args, run):
     """config.json, the tokenizer (the run folder is a nanochat base dir) and metrics.jsonl, on rank 0. A resumed
     run keeps the metrics up to its checkpoint (the steps after it run again) and rewrites config.json, whose
-    evaluation and saving flags may have changed. -> the wall time of the run's earlier segments."""
+    evaluation and saving flags may have changed; run.start_evaluated says whether they hold the eval of the step it
+    resumes at. -> the wall time of the run's earlier segments."""
     if not run.master:
         return 0.0
     kept = {}
@@ -2276,6 +2285,7 @@ def write_run_files(args, run):
     atomic_save(pickle.dumps(run.tokenizer.enc), os.path.join(run.run_dir, "tokenizer", "tokenizer.pkl"))
     for path, rows in kept.items():
         atomic_save("".join(json.dumps(m) + "\n" for m in rows).encode(), path)
+    run.start_evaluated = any(m["step"] == run.start_step and "eval_reward" in m for m in kept[run.metrics_path])
     return max((m["wall_time"] for m in kept[run.metrics_path] if "wall_time" in m), default=0.0)
 
 
@@ -2393,10 +2403,17 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
         stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
                  "lower the learning rates or set --grad-clip (a resumed run may change those)")
     last = step + 1 == args.num_steps
-    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-        run_eval(args, run, step + 1, args.final_eval_examples if last else args.eval_examples)
-    due = (args.save_every and (step + 1) % args.save_every == 0) or last
     stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
+    evaluated = True  # the step's eval, when due, ran to its end
+    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+        # A stop saves first: an eval (minutes on a GPU) would outlast a launcher's grace period and lose the step.
+        # --resume runs the eval it skipped (first_eval).
+        if stopping:
+            run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
+        evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
+                                              args.eval_examples) is not None
+        stopping = not evaluated  # a stop signal during the eval abandoned it
+    due = (args.save_every and (step + 1) % args.save_every == 0) or last
     if not run.bad_steps and (due or stopping):
         optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
         if run.master:
@@ -2407,13 +2424,28 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
         # while the checkpoint is still being written.
         requested = stop_requested(run)  # the barrier; and a stop that came during the save
         stopping = stopping or (STOP["at_step_end"] and requested)
-    if stopping and not last:
-        raise KeyboardInterrupt(f"{STOP['received'] or 'a stop signal on another rank'} at the end of step {step + 1}")
+    if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
+        raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
 
 
 def stop_requested(run):
     """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
     return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
+
+
+def stop_name():
+    return STOP["received"] or "a stop signal on another rank"
+
+
+def first_eval(args, run):
+    """The eval of the step a run starts at (eval_every due there, or the last step's): step 0's, and on --resume one
+    that a stop skipped (end_of_step saves first). Rank 0 read the metrics: every rank follows its answer."""
+    final = run.start_step == args.num_steps
+    if not args.eval_every or (run.start_step % args.eval_every and not final) or all_reduce(
+            torch.tensor(float(run.start_evaluated)), dist.ReduceOp.MAX).item():
+        return
+    if run_eval(args, run, run.start_step, args.final_eval_examples if final else args.eval_examples) is None:
+        raise KeyboardInterrupt(f"{stop_name()} during the eval of step {run.start_step}")
 
 
 def complete_steps(checkpoint_dir):
@@ -2445,6 +2477,8 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
 NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
                   "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task",
                   "self_check", "save_on_stop")
+# ...and, when evaluating (--eval-only, --ask), the teacher's, which an evaluation never reads
+TEACHER_FLAGS = ("teacher", "teacher_step", "teacher_offload")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
@@ -2488,7 +2522,7 @@ def resume(args, run):
     checkpoint_dir, config = run.checkpoint_dir, run.config
     saved = complete_steps(checkpoint_dir)
     config_path = os.path.join(run.run_dir, "config.json")
-    if not saved and (not os.path.isfile(config_path) or args.eval_only):
+    if not saved and (not os.path.isfile(config_path) or args.eval_only or args.ask):
         sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
     try:
         with open(config_path, encoding="utf-8") as f:
@@ -2512,9 +2546,10 @@ def resume(args, run):
                      f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
                      f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
+    unread = TEACHER_FLAGS if args.eval_only or args.ask else ()  # an evaluation reads the policy alone
     differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics",
                                                                              "scores", "task_code")
-                       and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY)
+                       and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY + unread)
     refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
     if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
         original = as_flags({k: run_config.get(k) for k in refused if k in vars(args)})
@@ -2733,30 +2768,52 @@ def weights_are_finite(model):
 # -----------------------------------------------------------------------------
 # Evaluation: greedy and sampled, every rank takes its share of the problems
 
+class Abandoned(Exception):
+    """An eval left between two of its batches: a stop signal reached a rank during the steps (run_eval)."""
+
+
 def run_eval(args, run, step, num_examples):
+    """Evaluate the policy at this step; a training run logs it to metrics.jsonl and evals/step_<step>.jsonl,
+    --resume --eval-only to its own eval_only.jsonl and evals/eval_only_step_<step>.jsonl. -> the metrics, or None
+    when a stop signal during the steps abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
-    result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                               run.world_size, run.autocast)
-    for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
-        watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
-                              run.autocast)
-        result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
-    if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
-        with on_device(run.teacher, run.device) if args.teacher_offload else nullcontext():
-            taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                 run.world_size, run.autocast)
-        result.update({f"teacher_{k}": v for k, v in taught.items()})
+    stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
+    try:
+        result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
+                                   run.world_size, run.autocast, stop)
+        for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
+            watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
+                                  run.autocast, stop)
+            result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
+        if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
+            with on_device(run.teacher, run.device) if args.teacher_offload else nullcontext():
+                taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
+                                     run.world_size, run.autocast, stop)
+            result.update({f"teacher_{k}": v for k, v in taught.items()})
+    except Abandoned:
+        run.log(f"step {step}: eval abandoned ({stop_name()}); --resume runs it")
+        return None
     if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
         gathered = [None] * run.world_size if run.master else None
         dist.gather_object(replies, gathered, dst=0)
         replies = sorted((r for part in gathered for r in part), key=lambda r: r["index"]) if run.master else []
-    if run.master and run.writes:
+    own = args.eval_only and args.resume  # the run's checkpoint evaluated: a result that is not the training's
+    if run.master and (run.writes or own):
         atomic_save("".join(json.dumps(r) + "\n" for r in replies).encode(),
-                    os.path.join(run.run_dir, "evals", f"step_{step}.jsonl"))
-    run.log(f"step {step} eval: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in result.items()))
+                    os.path.join(run.run_dir, "evals", f"eval_only_step_{step}.jsonl" if own else f"step_{step}.jsonl"))
+    if run.master and own:
+        with writing(), open(os.path.join(run.run_dir, "eval_only.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, **result}) + "\n")
+    run.log((f"--eval-only, {policy_name(args, run)}: " if args.eval_only else f"step {step} eval: ")
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
     record(run, {"step": step, **result})
     return result
+
+
+def policy_name(args, run):
+    """The policy an evaluation reads, in words."""
+    return (f"the run's policy at step {run.start_step}" if args.resume else "random weights" if args.init ==
+            "scratch" else f"the policy of {run.model.start_checkpoint}")
 
 
 def ask(args, run):
@@ -2774,10 +2831,8 @@ def ask(args, run):
                           tool=task.tool)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
                            args.temperature, args.top_k, seed=args.seed, tool=task.tool)
-    policy = (f"the run's policy at step {run.start_step}" if args.resume else "random weights" if args.init ==
-              "scratch" else f"the policy of {run.model.start_checkpoint}")
-    run.log(f"--ask, {policy}: " + ("graded as the task's problem" if known else
-                                   f"not one of the task's problems ({args.task}): no grade"))
+    run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
+                                                    f"not one of the task's problems ({args.task}): no grade"))
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:
@@ -2803,17 +2858,22 @@ EVAL_BATCH = 32  # problems sampled in one generate call
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast):
+def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None):
     """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
     samples, replies up to --eval-max-new-tokens long. Rank r takes problems r, r + world_size, ...; the sums are
-    reduced over ranks. -> (the metrics, this rank's greedy replies with their verdicts)"""
+    reduced over ranks. stop: called by every rank before each batch (as many on each: rank 0's count), raises
+    Abandoned when it says so. -> (the metrics, this rank's greedy replies with their verdicts)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
     replies, start, chunk = [], time.time(), EVAL_BATCH
-    for i in range(0, len(mine), chunk):
+    for i in range(0, -(-n // world_size), chunk):
+        if stop is not None and stop():
+            raise Abandoned
         conversations = [task[j] for j in mine[i:i + chunk]]
+        if not conversations:  # a rank with one problem fewer, at the last batch
+            continue
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
             greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool)

@@ -24,7 +24,9 @@ import model as model_module
 from conftest import ROOT, Killed, assert_same_steps, free_port
 from model import SPECIAL_TOKENS
 from test_faults import GOOD_ROW, final_weights, flags, snapshot
+from test_distill import distill_run, teacher_folder
 from test_grpo import in_this_process
+from tasks.sort import Sort
 
 
 def wait_for(condition, seconds, what):
@@ -136,10 +138,16 @@ WRITES = [("state_000002.pt", 1, signal.SIGTERM), ("model_000002.pt", 1, signal.
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
+def straight_folder(tmp_path_factory):
+    """A run of 3 steps with evals at steps 0, 2 and 3, never stopped."""
     root = tmp_path_factory.mktemp("straight")
     grpo.main(flags(root, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="straight"))
-    return final_weights(root / "runs" / "straight", 3)
+    return root / "runs" / "straight"
+
+
+@pytest.fixture(scope="module")
+def straight_run(straight_folder):
+    return final_weights(straight_folder, 3)
 
 
 @pytest.mark.parametrize("file_name,nth,sig", WRITES, ids=[w[0] for w in WRITES])
@@ -214,6 +222,89 @@ def test_a_second_signal_or_no_save_on_stop_stops_at_once_and_a_repeat_is_the_sa
         expected = ("error: stopped by SIGINT at the end of step 2. The run's newest checkpoint, step 2 " if
                     name == "repeated" else "error: stopped by SIGINT. No checkpoint of this run was saved")
         assert stop.value.code.startswith(expected), (name, stop.value.code)
+
+
+def test_a_stop_during_a_slow_eval_abandons_it_and_saves_the_step_within_seconds(tmp_path, monkeypatch):
+    # A GPU run's eval takes minutes; torchrun and SLURM kill 30 s after their signal. The test task's grading
+    # sleeps: the step-0 eval runs whole and is measured; SIGTERM at the first problem of the step-2 eval abandons
+    # that eval at its next batch, and the step is saved.
+    grade, graded, signalled = Sort.reward, [], []
+    problems = 5 * grpo.EVAL_BATCH  # five batches an eval
+
+    def slow_grade(self, conversation, reply):
+        if self.split == "test":
+            time.sleep(0.01)
+            graded.append(time.monotonic())
+            if len(graded) == problems + 1:
+                signalled.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGTERM)
+        return grade(self, conversation, reply)
+    monkeypatch.setattr(Sort, "reward", slow_grade)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags(tmp_path, "--eval-every", "2", "--eval-examples", str(problems), "--save-every", "0",
+                        name="slow"))
+    stopped = time.monotonic() - signalled[0]
+    whole_eval = graded[problems - 1] - graded[0]  # the step-0 eval's, from its first grade to its last
+    assert re.match(r"error: stopped by SIGTERM at the end of step 2\. The run's newest checkpoint, step 2 in \S+, "
+                    r"is complete", stop.value.code), stop.value.code
+    assert stopped < whole_eval / 2, (stopped, whole_eval)
+    assert len(graded) == problems + grpo.EVAL_BATCH  # the batch under way finished, no other began
+    assert [m["step"] for m in map(json.loads, open(tmp_path / "runs" / "slow" / "metrics.jsonl"))] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("at_update", [2, 3], ids=["eval-step", "last-step"])
+@pytest.mark.xdist_group("straight_run")
+def test_a_stop_skips_a_due_eval_saves_the_step_and_resume_runs_that_eval(tmp_path, monkeypatch, capsys,
+                                                                          straight_folder, at_update):
+    # a stop signal in the update of a step whose end is an eval (step 2), or the final eval (step 3): the step is
+    # saved first and the eval skipped, with one line; --resume runs the skipped eval, then goes on as the run that
+    # never stopped
+    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--save-every", "0",
+                 name="skipped")
+    with monkeypatch.context() as patched:
+        signals_in_update(patched, at_update=at_update, sig=signal.SIGTERM)
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(argv)
+    assert stop.value.code.startswith(f"error: stopped by SIGTERM at the end of step {at_update}. The run's newest "
+                                      f"checkpoint, step {at_update} in "), stop.value.code
+    out = capsys.readouterr().out
+    assert f"step {at_update}: eval skipped (SIGTERM): the step is saved first; --resume runs it" in out
+    assert f"step {at_update} eval:" not in out
+    grpo.main(argv + ["--resume"])
+    timings = {"time_sample", "time_logprobs", "time_update", "tokens_per_s", "peak_mem_mb", "wall_time"}
+    logs = [[{k: v for k, v in m.items() if k not in timings} for m in map(json.loads, open(run / "metrics.jsonl"))]
+            for run in (straight_folder, tmp_path / "runs" / "skipped")]
+    assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [0, 1, 2, 2, 3, 3]
+    straight = final_weights(straight_folder, 3)
+    for k, v in final_weights(tmp_path / "runs" / "skipped", 3).items():
+        assert torch.equal(v, straight[k]), k
+    evals = [sorted(os.listdir(run / "evals")) for run in (straight_folder, tmp_path / "runs" / "skipped")]
+    assert evals[0] == evals[1] == ["step_0.jsonl", "step_2.jsonl", "step_3.jsonl"]
+
+
+def test_a_lost_rank_after_a_stop_signal_is_the_stop_not_a_fault_to_look_for(tmp_path, monkeypatch):
+    # Under torchrun a terminal's Ctrl-C reaches every rank; a second one ends each rank at once, and a rank that
+    # is inside a collective then (no Python handler runs there) finds the other gone: that is the stop, nothing to
+    # look for. Here rank 0 of 2, its first SIGINT noted mid-step, then rank 1 gone as gloo reports it.
+    update, calls = grpo.policy_update, []
+
+    def signalled_then_peer_gone(*a, **k):
+        calls.append(1)
+        if len(calls) < 2:
+            return update(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+        monkeypatch.setattr(grpo.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(grpo.dist, "get_world_size", lambda: 2)
+        raise grpo.dist.DistBackendError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                         "peer [127.0.0.1]:29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(grpo, "policy_update", signalled_then_peer_gone)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags(tmp_path, "--num-steps", "3", name="lost"))
+    message = stop.value.code
+    assert message.startswith("error: stopped by SIGINT; rank 1 ended at once, on a second signal, before this rank "
+                              "reached the step's end. The run's newest checkpoint, step 1 in "), message
+    assert "look for the cause" not in message and "\n" not in message
 
 
 def test_workers_stop_when_their_torchrun_launcher_is_killed(tmp_path):
@@ -372,6 +463,56 @@ def test_evaluating_a_checkpoint_twice_touches_no_run(tmp_path):
                                  name="trained"))
         assert result["eval_examples"] == 4
     assert snapshot(tmp_path / "runs") == before
+
+
+def test_evaluating_and_asking_a_stopped_distillation_write_nothing_of_its_run(tmp_path, monkeypatch):
+    # A stopped run of --algo distill (its teacher's sha256 in config.json): --resume --eval-only writes its own
+    # result only, and --ask nothing, resumed or not; so a later --resume still refuses a changed teacher.
+    teacher = teacher_folder(tmp_path)
+    argv = distill_run(tmp_path, "taught", teacher, "--num-steps", "3", "--save-every", "1", "--eval-every", "1",
+                       "--eval-examples", "4")
+    with monkeypatch.context() as patched:
+        signals_in_update(patched, at_update=2)
+        with pytest.raises(SystemExit, match="^error: stopped by SIGINT at the end of step 2"):
+            grpo.main(argv)
+    run = tmp_path / "taught"
+    before = snapshot(run)
+    result = grpo.main(argv + ["--resume", "--eval-only", "--final-eval-examples", "6"])
+    untaught = argv[:argv.index("--teacher")] + argv[argv.index("--teacher") + 2:]  # the teacher is not read
+    assert grpo.main(untaught + ["--resume", "--eval-only", "--final-eval-examples", "6"]) == result
+    own = {"eval_only.jsonl": [{"step": 2, **result}] * 2, os.path.join("evals", "eval_only_step_2.jsonl"): 6}
+    assert [json.loads(line) for line in open(run / "eval_only.jsonl")] == own["eval_only.jsonl"]
+    assert len(open(run / "evals" / "eval_only_step_2.jsonl").readlines()) == 6 and result["eval_examples"] == 6
+    evaluated = snapshot(run)
+    assert {k: v for k, v in evaluated.items() if k not in own} == before
+    for extra in (["--resume"], ["--init", str(run / "chatrl_checkpoints" / "d2")]):  # the run's name, too
+        assert len(grpo.main(argv + extra + ["--ask", "3 1 2"])) == 5
+    assert snapshot(run) == evaluated
+    teacher_folder(tmp_path, seed=2)  # other weights in the same folder, at the same step
+    with pytest.raises(SystemExit, match=r"^error: --resume: the run's teacher \(--teacher's checkpoint\) changed"):
+        grpo.main(argv + ["--resume"])
+    assert snapshot(run) == evaluated
+
+
+def test_evaluating_a_checkpoint_names_its_step(tmp_path, capsys):
+    grpo.main(flags(tmp_path, "--num-steps", "2", name="trained"))  # checkpoints of steps 1 and 2
+    checkpoint = str(tmp_path / "runs" / "trained" / "chatrl_checkpoints" / "d2")
+    capsys.readouterr()
+    grpo.main(flags(tmp_path, "--init", checkpoint, "--init-step", "1", "--eval-only", "--final-eval-examples", "4",
+                    name="e"))
+    out = capsys.readouterr().out
+    assert f"--eval-only, the policy of {checkpoint}, step 1: eval_examples 4, " in out and " eval: " not in out
+
+
+def test_evaluating_or_asking_with_a_distillations_flags_needs_no_teacher(tmp_path):
+    grpo.main(flags(tmp_path, "--num-steps", "1", name="trained"))
+    checkpoint = str(tmp_path / "runs" / "trained" / "chatrl_checkpoints" / "d2")
+    result = grpo.main(flags(tmp_path, "--algo", "distill", "--init", checkpoint, "--eval-only",
+                             "--final-eval-examples", "4", name="e"))
+    assert result["eval_examples"] == 4
+    replies = grpo.main(flags(tmp_path, "--algo", "distill", "--init", checkpoint, "--ask", "3 1 2", name="e"))
+    assert len(replies) == 5
+    assert not os.path.exists(tmp_path / "runs" / "e")
 
 
 def test_an_absurd_step_size_is_warned_about_and_the_update_ratio_logged(tmp_path, capsys):

@@ -793,12 +793,13 @@ def test_resume_refuses_other_flags_and_a_missing_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"differ from the run.s \(aggregation, algo, pass_size, ppo_epochs\): pass "
                        r"the original flags: --aggregation nanochat --algo reinforce --pass-size 8 --ppo-epochs 1$"):
         grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--algo", "dr_grpo", "--resume"))
-    # evaluation flags may change: they never move the weights
+    # evaluation flags may change: they never move the weights. The evaluation's result is its own, beside the run's
     result = grpo.main(run_flags(tmp_path, "r", "--num-steps", "1", "--resume", "--eval-only", "--final-eval-examples", "5"))
     assert result["eval_examples"] == 5
     metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
-    assert [(m["step"], "reward" in m, m.get("eval_examples")) for m in metrics] == [(1, True, None), (1, False, 5)]
-    assert json.load(open(tmp_path / "r" / "config.json"))["final_eval_examples"] == 5
+    assert [(m["step"], "reward" in m, m.get("eval_examples")) for m in metrics] == [(1, True, None)]
+    assert [json.loads(line) for line in open(tmp_path / "r" / "eval_only.jsonl")] == [{"step": 1, **result}]
+    assert json.load(open(tmp_path / "r" / "config.json"))["final_eval_examples"] == -1
 
 
 def test_non_finite_loss_skips_then_stops_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
