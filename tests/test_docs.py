@@ -76,6 +76,16 @@ def test_a_documented_command_parses_and_passes_the_config_checks(path, line, co
     check(command)
 
 
+def test_the_example_files_the_docs_name_ship_with_the_repository():
+    # the docs' own-task commands run as written from the repository's folder: the task file and grader function
+    # they name are in docs/examples/ (tests/test_own_tasks.py runs the README's on them)
+    named = {(path, re.sub(r"\.py:\w+$", ".py", word)) for path, _, command in ALL
+             for word in re.findall(r"docs/examples/[\w./:-]+", command)}
+    assert {"README.md", os.path.join("docs", "tasks.md")} <= {path for path, _ in named}
+    missing = [(path, word) for path, word in named if not os.path.isfile(os.path.join(ROOT, word))]
+    assert not missing
+
+
 def test_a_misspelt_or_inconsistent_flag_fails_the_check():
     check("python grpo.py --demo --num-steps 3")
     for bad in ("python grpo.py --demo --num-stepz 3", "torchrun --nproc_per_node=8 grpo.py --kl-estimator k4",

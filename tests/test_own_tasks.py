@@ -3,11 +3,13 @@
 import json
 import os
 import random
+import sys
 from fractions import Fraction
 
 import pytest
 
 import grpo
+from conftest import ROOT
 from tasks import task_name
 from tasks.jsonl import JSONLTask, answer_letter, grade, read_letter, read_number
 
@@ -386,31 +388,68 @@ def max_of_three(n, seed=0):
 
 
 def readme_own_task_commands():
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = text[text.index("## Your own task"):text.index("## The algorithm")]
-    return [line.split("#")[0].split()[2:] for line in section.splitlines() if line.startswith("python grpo.py")]
+    """The README's own-task commands, each as grpo.py's arguments (a command continued with a backslash joined)."""
+    from test_docs import commands, grpo_argv
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    start = lines.index("## Your own task") + 1
+    end = next(n for n in range(start, len(lines)) if lines[n].startswith("## ")) + 1
+    return [grpo_argv(command) for number, command in commands(os.path.join(ROOT, "README.md"))
+            if start < number < end and not command.startswith("python grpo.py --compare")]
 
 
-def test_the_readmes_own_task_commands_work_where_the_reader_is(tmp_path, monkeypatch, capsys):
-    # from a nanochat checkpoint (the newest chat one under $NANOCHAT_BASE_DIR) and from scratch on the CPU (--demo),
-    # shortened; each in its own run folder named after the task, apart from the demo's own runs
+def files_named(argv):
+    """The files a command's task and grader flags name: a .jsonl file, or the file of path/to/file.py:name."""
+    values = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word in ("--task", "--task-test", "--eval-task",
+                                                                            "--grader")]
+    return [v if v.endswith(".jsonl") else v.rpartition(":")[0] for v in values
+            if v.endswith(".jsonl") or v.rpartition(":")[0].endswith(".py")]
+
+
+def test_the_readmes_own_task_commands_run_as_written_on_the_files_that_ship(tmp_path, monkeypatch):
+    # As the README says, from the repository's folder: its example task file and grader ship with the repository,
+    # and every own-task command runs on them (shortened to 2 tiny steps, its run folder under tmp_path): from
+    # scratch on the CPU (--demo), with the grader function, and from a nanochat checkpoint (the newest chat one
+    # under $NANOCHAT_BASE_DIR)
     from test_generations import FIXTURES
-    monkeypatch.chdir(tmp_path)
-    write_jsonl(tmp_path / "problems.jsonl", max_of_three(60))
-    checkpoint, scratch = readme_own_task_commands()
-    assert "--demo" in scratch and "--demo" not in checkpoint and "--init" not in checkpoint
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # importing the grader writes no __pycache__ into docs/
+    argvs = readme_own_task_commands()
+    named = {path for argv in argvs for path in files_named(argv)}
+    assert {"docs/examples/max3.jsonl", "docs/examples/max3_grader.py"} <= named
+    assert all(os.path.isfile(os.path.join(ROOT, path)) for path in named), named
+    scratch = [argv for argv in argvs if "--demo" in argv]
+    checkpoint = [argv for argv in argvs if "--demo" not in argv]
+    assert len(scratch) == 2 and len(checkpoint) == 1 and "--init" not in checkpoint[0]
     short = ["--num-steps", "2", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
              "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4", "--save-every", "0",
-             "--eval-max-new-tokens", "6"]
-    grpo.main(scratch + short)
-    assert os.path.isfile(tmp_path / "runs" / "demo-problems-grpo-seed0" / "metrics.jsonl")
+             "--eval-max-new-tokens", "6", "--runs-dir", str(tmp_path / "runs")]
+    for argv in scratch:
+        grpo.main(argv + short)
+    assert sorted(os.listdir(tmp_path / "runs")) == ["demo-max3-grpo-seed0", "max3-own-grader"]
+    for run in ("demo-max3-grpo-seed0", "max3-own-grader"):
+        assert os.path.isfile(tmp_path / "runs" / run / "metrics.jsonl")
+    config = json.load(open(tmp_path / "runs" / "max3-own-grader" / "config.json"))
+    assert config["grader"] == "docs/examples/max3_grader.py:largest"
     assert grpo.resolve_config(["--demo"]).run_name == "demo-grpo-seed0"  # the demo's own run: another folder
     base = os.path.join(FIXTURES, "smear-backout", "base")
     if not os.path.isdir(base):
         pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
-    grpo.main(checkpoint + short + ["--pass-k", "0"])
-    assert os.path.isfile(tmp_path / "runs" / "problems-reinforce-seed0" / "metrics.jsonl")
+    grpo.main(checkpoint[0] + short + ["--pass-k", "0"])
+    assert os.path.isfile(tmp_path / "runs" / "max3-reinforce-seed0" / "metrics.jsonl")
+
+
+def test_the_example_grader_rewards_the_digit_alone(monkeypatch):
+    # docs/examples' task and grader as a run loads them: the digit, with spaces or line breaks around it, is right;
+    # padding of any other kind (the control characters str.strip() would remove, a full stop) is not
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    task = JSONLTask("docs/examples/max3.jsonl", "train", grader="docs/examples/max3_grader.py:largest")
+    problem = next(task[i] for i in range(len(task)) if task[i]["answer"] == "9")
+    for reply, correct in [("9", 1.0), (" 9\n", 1.0), ("9\x1f", 0.0), ("\x1c9", 0.0), ("9.", 0.0), ("8", 0.0),
+                           ("", 0.0), ("99", 0.0)]:
+        assert task.reward_parts(problem, reply)["correct"] == correct, reply
+    assert len(task) == 900 and len(JSONLTask("docs/examples/max3.jsonl", "test")) == 100
 
 
 def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
