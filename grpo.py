@@ -905,7 +905,8 @@ algorithm.description = "--algo sets, where not given (the others: reinforce's v
                             if name == "reinforce" or v != PRESETS["reinforce"].get(k)}),
                   width=110, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12, break_on_hyphens=False)
     for name, preset in PRESETS.items())
-# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md; AdamW stalled at 0.74-0.87).
+# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md; AdamW stalled at
+# 0.74-0.87).
 # Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt. The entropy
 # bonus keeps every digit in play: without it one seed in five never learned a digit and stalled below 0.9; at 0.01
 # seed 8 still lost the digit 1 (sampled about once in 100 steps where it belongs, too rarely to be learned). The bonus
@@ -2325,8 +2326,8 @@ def log_samples(args, run, step, groups, batch):
 
 SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
 # One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
-# stay within a few percent per step (see docs/reliability.md, "When things go wrong"); a step size that is orders of magnitude off
-# multiplies the norm by far more.
+# stay within a few percent per step (see docs/reliability.md, "When things go wrong"); a step size that is orders
+# of magnitude off multiplies the norm by far more.
 WEIGHT_NORM_WARNING = 2.0
 
 
