@@ -786,7 +786,8 @@ arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl fil
 arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)")
 arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
     "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
-    "as path/to/file.py:fn, fn(question, reply, answer) -> a number or (correct, format)")
+    "as path/to/file.py:fn, fn(question, reply, answer) -> the reward (correct at 1 or more), (reward, format), or "
+    "{reward, correct, format} (docs/tasks.md)")
 arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
     help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K")
 arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
