@@ -786,7 +786,8 @@ arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl fil
 arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)")
 arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
     "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
-    "as path/to/file.py:fn, fn(question, reply, answer) -> a number or (correct, format)")
+    "as path/to/file.py:fn, fn(question, reply, answer) -> the reward (correct at 1 or more), (reward, format), or "
+    "{reward, correct, format} (docs/tasks.md)")
 arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
     help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K")
 arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
@@ -1115,7 +1116,8 @@ def resolve_config(argv=None):
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.entropy_coef is None:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
+    demo_bonus = args.entropy_coef is None
+    if demo_bonus:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
         args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
                                               args.advantage]
     if args.clip_eps_high is None:
@@ -1149,6 +1151,13 @@ def resolve_config(argv=None):
         args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
                           "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
                           "(give the flag to keep it)")
+    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
+    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
+        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
+                    else f"--advantage {args.advantage}")
+        args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
+                          f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
+                          "keeps it")
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
@@ -3176,7 +3185,7 @@ def leave_process_group():
 
 # Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
 NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
-COMPARE_HEADER = ["run", "task", "algo", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
+COMPARE_HEADER = ["run", "task", "preset", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
                   "eval", "best eval", "pass@1", "pass@k", "kl", "teacher kl", "clip frac", "reply len", "wall s",
                   "tok/s"]
 
@@ -3226,7 +3235,7 @@ def compare_runs(run_dirs, plot_path):
     table = [COMPARE_HEADER + watched]  # a watched task's column: its eval score at the end
     for name, seeds in zip(names, configurations.values()):
         per_seed = [run_summary(config, metrics, watched) for _, config, metrics in seeds]
-        table.append([name, task_name(seeds[0][1]["task"]), seeds[0][1]["algo"], seeds[0][1].get("advantage"),
+        table.append([name, task_name(seeds[0][1]["task"]), preset_of(seeds[0][1]), seeds[0][1].get("advantage"),
                       len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(table[0]))]
@@ -3239,8 +3248,36 @@ def compare_runs(run_dirs, plot_path):
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))
     if len(scores) > 1:
         print(f"note: these runs trained on {len(scores)} tasks ({', '.join(scores)}): their scores do not compare")
+    differing = differing_flags([seeds[0][1] for seeds in configurations.values()])
+    if any(differing):
+        print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose "
+              "settings a run has, or custom):")
+        for name, flags in zip(names, differing):
+            print(f"  {name.ljust(max(map(len, names)))}  {flags}")
     plot_runs(names, list(configurations.values()), plot_path)
     return table
+
+
+def preset_of(config):
+    """The preset whose algorithm flags a run ran with, whatever its --algo (reinforce with the ladder's four flags
+    is grpo), its own --algo first where presets coincide; else "custom". A flag the run's config.json lacks ran as
+    it did before the flag (SINCE); under GDPO --advantage is idle."""
+    idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
+    for name in sorted(PRESETS, key=lambda name: name != config["algo"]):
+        preset = dict(PRESETS[name])
+        if preset["clip_eps_high"] is None:  # as resolve_config sets it: the clip's upper side is its lower one
+            preset["clip_eps_high"] = preset["clip_eps"]
+        if all(k in idle or config.get(k, SINCE.get(k, v)) == v for k, v in preset.items()):
+            return name
+    return "custom"
+
+
+def differing_flags(configs):
+    """-> for each run's configuration, the flags whose values are not the same in all of them, as flags."""
+    names = [a.dest for a in parser._actions if a.option_strings and a.dest not in NOT_CONFIGURATION]
+    differ = [k for k in dict.fromkeys(names) if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+    return [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
+                      else c.get(k) for k in differ}) for c in configs]
 
 
 def metric_column(metrics, key):

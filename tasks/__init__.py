@@ -8,7 +8,9 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - reward_terms, reward_parts(conversation, reply_text) -> {name: float}: the reply scored by several named terms
   (--reward-weights combines them); the first term alone is the default reward, so it must equal reward();
 - evaluate(conversation, reply_text) -> bool, a correct reply (pass@k counts these);
-- eval_metrics(conversation, reply_text) -> {name: float}, logged as eval_<name> next to eval_reward;
+- eval_metrics(conversation, reply_text) -> {name: float}, logged as eval_<name> next to eval_reward (Task's
+  default: {"correct": evaluate's verdict}, the share of correct greedy replies; a task's own metric of that share
+  is evaluate's too: sort's "exact", GSM8K's "strict", a JSONL file's "correct");
 - score: the eval metric that ranks runs in --compare (eval_<score>);
 - tool: None, or a function that the sampler runs on the text between <|python_start|> and <|python_end|>,
   its string result forced into the reply;
@@ -17,7 +19,7 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
   (a resumed run refuses data that changed under it);
 - longest_prompt(tokenizer): the longest prompt in tokens, for the memory plan.
-Subclassing Task gives sensible defaults for all but __len__, example(index), reward, evaluate and eval_metrics.
+Subclassing Task gives sensible defaults for all but __len__, example(index), reward and evaluate.
 
 --task and --eval-task name a task (task_class): gsm8k, sort, a file ending in .jsonl (tasks/jsonl.py), or your own
 class as module:Class or path/to/file.py:Class, imported when a run names it and never otherwise, and called through
@@ -35,8 +37,8 @@ import traceback
 
 
 class Task:
-    """What the tasks share: no tool, runs ranked by eval_reward, one reward term, and indexing that ends at the
-    last example (len and example(index) are the task's own)."""
+    """What the tasks share: no tool, runs ranked by eval_reward, one reward term, the share of correct replies as
+    the eval metric, and indexing that ends at the last example (len and example(index) are the task's own)."""
     tool = None
     score = "reward"
     reward_terms = ("reward",)
@@ -45,6 +47,9 @@ class Task:
 
     def reward_parts(self, conversation, reply_text):
         return {"reward": self.reward(conversation, reply_text)}
+
+    def eval_metrics(self, conversation, reply_text):
+        return {"correct": float(self.evaluate(conversation, reply_text))}
 
     def fingerprint(self):
         return None

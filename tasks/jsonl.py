@@ -26,8 +26,9 @@ Graders, each reading the reply's answer and comparing it with the line's answer
   not letters (but "the answer is A because", "A is right"); a lower-case letter counts only standing alone after
   "answer" ("answer: b").
 --grader path/to/file.py:fn (or module:fn) grades every line that names no grader with your function,
-fn(question, reply, answer) -> a finite number (numpy's, a 0-d tensor too) or (correct, format); imported only when
-a run names it.
+fn(question, reply, answer) -> a finite number (the reward; correct when 1 or more), a pair (reward, format), or a
+dict {"reward": ..., "correct": True/False, "format": ...} (correct and format optional) where partial credit needs
+a verdict of its own (numpy's scalars, a 0-d tensor too); imported only when a run names it.
 Train and test: --task-test names a test file; without it every 10th problem of the file (lines 1, 11, 21, ...
 counting problems, not blank lines) is held out for the evals. A file only watched (--eval-task) is evaluated whole.
 """
@@ -183,19 +184,32 @@ def grader_function(spec):
     return fn
 
 
+OWN_GRADE_FORMS = ("a finite number (the reward: 1 for a correct reply, 0 for one it cannot grade), a pair "
+                   "(reward, format), or {\"reward\": number, \"correct\": True or False, \"format\": number} "
+                   "(correct and format optional)")
+
+
 def own_grade(fn, conversation, reply):
-    """fn(question, reply, answer) -> a number (the correct term; 1 or more counts as correct) or (correct, format),
-    numpy's scalars too. Anything else, or an exception or a sys.exit, is a GraderError: every reply needs a finite
-    reward (there is no "not applicable": a group's advantages compare all of its replies)."""
+    """fn(question, reply, answer) -> (reward, correct, format). fn returns the reward (a number), the pair (reward,
+    format), or a dict {"reward", "correct", "format"}; numpy's scalars too. Unless the dict says, a reply is correct
+    when its reward is 1 or more: partial credit (0.8 for a near miss) is a reward, never a correct reply. Anything
+    else, or an exception or a sys.exit, is a GraderError: every reply needs a finite reward (there is no "not
+    applicable": a group's advantages compare all of its replies)."""
     question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
     name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__name__', type(fn).__name__)}"
     where = f"--grader {name} on the reply {reply[:60]!r} to {question[:60]!r}"
     result = user_call(where, fn, question, reply, conversation["answer"])
-    values = [finite_number(v) for v in (result if isinstance(result, (tuple, list)) else [result, 0.0])]
-    if len(values) != 2 or None in values:
-        raise GraderError(f"{where} returned {shown(result)}: return a finite number (1 for a correct reply, 0 for "
-                          "one it cannot grade) or a pair (correct, format)")
-    return values[0], values[1]
+    if isinstance(result, (tuple, list)):
+        fields = dict(zip(("reward", "format"), result)) if len(result) == 2 else {}
+    elif isinstance(result, dict):
+        fields = result if set(result) <= {"reward", "correct", "format"} else {}  # a misspelt name is no verdict
+    else:
+        fields = {"reward": result}
+    reward, form = finite_number(fields.get("reward")), finite_number(fields.get("format", 0.0))
+    correct = finite_number(fields.get("correct", reward is not None and reward >= 1))
+    if reward is None or form is None or correct not in (0.0, 1.0):
+        raise GraderError(f"{where} returned {shown(result)}: return {OWN_GRADE_FORMS}")
+    return reward, correct == 1.0, form
 
 
 def read_problems(path, grader):
@@ -329,20 +343,24 @@ class JSONLTask(Task):
         return self.problems[index]
 
     def graded(self, conversation, reply_text):
-        """-> (correct, format) by the line's grader, or by --grader's function."""
+        """-> (reward, correct, format) by the line's grader (reward 1 for a correct reply, else 0), or by --grader's
+        function (its reward may be partial credit, correct its own verdict)."""
         if conversation["grader"] in GRADERS:
-            return grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])
+            correct, form = grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])
+            return float(correct), correct, float(form)
         return own_grade(self.own_grader, conversation, reply_text)
 
     def evaluate(self, conversation, reply_text):
-        return self.graded(conversation, reply_text)[0] >= 1
+        return self.graded(conversation, reply_text)[1]
 
     def reward(self, conversation, reply_text):
-        return float(self.graded(conversation, reply_text)[0])
+        return self.graded(conversation, reply_text)[0]
 
     def reward_parts(self, conversation, reply_text):
-        correct, form = self.graded(conversation, reply_text)
-        return {"correct": float(correct), "format": float(form)}
+        # the term "correct" is the grader's reward (partial credit too): --reward-weights names it as GSM8K's
+        reward, _, form = self.graded(conversation, reply_text)
+        return {"correct": reward, "format": form}
 
     def eval_metrics(self, conversation, reply_text):
-        return {"correct": float(self.graded(conversation, reply_text)[0])}
+        # the share of correct replies, as pass@k counts them; the mean reward (credit) is eval_reward
+        return {"correct": float(self.evaluate(conversation, reply_text))}

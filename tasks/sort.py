@@ -2,11 +2,13 @@
 Sort: the user gives a few random digits ("31415"), the assistant must reply with them in sorted order
 ("11345"). A toy task that a tiny GPT learns from random weights, with RL alone, on a laptop CPU.
 
-The reward is dense, the fraction of positions that hold the right digit, so that even a random policy
-gets some signal; evaluate() is the exact match. A second reward term, "exact" (1 only for a fully sorted reply),
-makes the task one where RL from random weights gets no signal: --reward-weights exact=1. The train split is
-unlimited (problem i is a pure function of the seed and i); the test split is a fixed held-out set drawn from a
-separate stream, per seed.
+The reward is dense, the fraction of positions that hold the right digit, so that even a random policy gets some
+signal; evaluate() is the exact match. Both read the reply as it is, digits only: padding of any kind (a space, a
+newline, the control characters \\x1c-\\x1f that str.strip() drops) is wrong and costs reward as a wrong digit does
+(an extra position), so that no policy learns to pad its answers. A second reward term, "exact" (1 only for a fully
+sorted reply), makes the task one where RL from random weights gets no signal: --reward-weights exact=1. The train
+split is unlimited (problem i is a pure function of the seed and i); the test split is a fixed held-out set drawn
+from a separate stream, per seed.
 """
 import random
 
@@ -41,9 +43,10 @@ class Sort(Task):
                              {"role": "assistant", "content": "".join(sorted(digits))}]}
 
     def reward(self, conversation, reply_text):
-        target, reply = conversation["messages"][-1]["content"], reply_text.strip()
-        # Extra characters cost as much as missing ones: the denominator is the longer of the two.
-        return sum(a == b for a, b in zip(reply, target)) / max(len(target), len(reply))
+        target = conversation["messages"][-1]["content"]
+        # Extra characters cost as much as missing ones: the denominator is the longer of the two. Not stripped:
+        # the answer is the digits alone, and a reply padded with what strip() drops would otherwise score 1.
+        return sum(a == b for a, b in zip(reply_text, target)) / max(len(target), len(reply_text))
 
     reward_terms = ("reward", "exact")
 
@@ -52,7 +55,7 @@ class Sort(Task):
                                                                                               reply_text))}
 
     def evaluate(self, conversation, reply_text):
-        return reply_text.strip() == conversation["messages"][-1]["content"]
+        return reply_text == conversation["messages"][-1]["content"]
 
     def eval_metrics(self, conversation, reply_text):
         return {"exact": float(self.evaluate(conversation, reply_text))}

@@ -1132,6 +1132,56 @@ def test_eval_only_and_compare(tmp_path, capsys):
         grpo.main(["--compare", str(tmp_path / "missing")])
 
 
+def readme_ladder():
+    """The README's "one flag per rung" table -> each rung's flags, cumulative: rung 0 alone, then each added."""
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    table = text[text.index("| rung | flag |"):].split("\n\n")[0]
+    rows = [line.split("|")[2].strip().strip("`").split() for line in table.splitlines()[2:]]
+    return [sum(rows[:i + 1], []) for i in range(len(rows))]
+
+
+def test_under_the_demo_each_rung_of_the_ladder_moves_the_entropy_bonus_only_with_a_note():
+    # the demo's entropy bonus follows the advantages' scale: the rung that z-scores them raises it, and says so
+    ladder = readme_ladder()
+    rungs = [grpo.resolve_config(["--demo", *flags]) for flags in ladder]
+    assert ladder[0] == ["--algo", "reinforce"] and len(rungs) == 5 and rungs[0].notes == []
+    own = rungs[0].entropy_coef  # --algo reinforce's
+    for i, rung in enumerate(rungs):
+        moved = [n for n in rung.notes if "entropy bonus" in n]
+        if rung.entropy_coef == own:
+            assert moved == [], rung.notes
+            continue
+        by = ladder[next(j for j in range(i + 1) if rungs[j].entropy_coef == rung.entropy_coef)][-2:]  # that rung
+        [note] = moved
+        assert note.startswith(f"{' '.join(by)} also sets the demo's entropy bonus to {rung.entropy_coef:g}, not "
+                               f"--algo reinforce's {own:g}") and note.endswith(f"--entropy-coef {own:g} keeps it")
+    full = grpo.resolve_config(["--demo", "--algo", "grpo"])  # the last rung is --algo grpo, bonus included
+    for key in [*grpo.PRESETS["grpo"], "entropy_coef"]:
+        assert getattr(rungs[-1], key) == getattr(full, key), key
+    assert full.notes == [] and grpo.resolve_config(["--demo", "--algo", "reinforce", "--advantage", "zscore",
+                                                     "--entropy-coef", "0.01"]).notes == []
+
+
+def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(tmp_path, capsys):
+    ladder = readme_ladder()
+    grpo.main(run_flags(tmp_path, "rung4", "--num-steps", "1", *ladder[4][2:]))  # --algo reinforce + four flags
+    grpo.main(run_flags(tmp_path, "full", "--num-steps", "1", "--algo", "grpo"))
+    grpo.main(run_flags(tmp_path, "rung1", "--num-steps", "1", *ladder[1][2:]))
+    capsys.readouterr()
+    table = grpo.main(["--compare", *(str(tmp_path / name) for name in ("rung4", "full", "rung1"))])
+    out = capsys.readouterr().out
+    assert [row[2] for row in table[1:]] == ["grpo", "grpo", "custom"] and table[0][2] == "preset"
+    listed = out[out.index("flags that differ between the rows"):].splitlines()[1:4]
+    assert [line.split() for line in listed] == [  # pass_size: nanochat's aggregation's, unset under the others
+        ["rung4", "--algo", "reinforce", "--aggregation", "sequence", "--ppo-epochs", "2", "--kl-coef", "0.04"],
+        ["full", "--algo", "grpo", "--aggregation", "sequence", "--ppo-epochs", "2", "--kl-coef", "0.04"],
+        ["rung1", "--algo", "reinforce", "--aggregation", "nanochat", "--pass-size", "8", "--ppo-epochs", "1",
+         "--kl-coef", "0.0"]]
+    capsys.readouterr()
+    grpo.main(["--compare", str(tmp_path / "full")])  # one run: nothing differs
+    assert "flags that differ" not in capsys.readouterr().out
+
+
 def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # runs in several folders: the plot goes to the current one
     for seed in ("0", "1"):

@@ -486,7 +486,8 @@ def test_a_flag_that_does_nothing_under_the_settings_gets_a_note(tmp_path, capsy
     # and none where the flag acts
     (["--optimizer", "adamw", "--lr", "1e-4"], None), (["--matrix-lr", "0.01"], None),
     (["--lora-rank", "4", "--init", "ckpt", "--lora-lr", "1e-3"], None), (["--algo", "dapo", "--max-sampling-rounds", "2"], None),
-    (["--rollout-correction", "tis", "--rollout-correction-cap", "3"], None), (["--advantage", "rloo"], None),
+    (["--rollout-correction", "tis", "--rollout-correction-cap", "3"], None),
+    (["--algo", "reinforce", "--advantage", "rloo"], None),
 ])
 def test_every_flag_that_does_nothing_under_the_settings_is_named(flags, idle):
     notes = grpo.resolve_config(["--demo", *flags]).notes
@@ -607,6 +608,80 @@ def test_a_grader_function_may_return_numpy_or_torch_scalars(tmp_path, name):
     right, wrong = task.reward_parts(problem, problem["answer"]), task.reward_parts(problem, "no")
     assert right["correct"] == 1.0 and wrong["correct"] == 0.0 and task.evaluate(problem, problem["answer"])
     assert all(type(v) is float for v in (*right.values(), *wrong.values()))
+
+
+CREDIT_GRADERS = """
+def credit(question, reply, answer):  # a number: partial credit for every reply, all of it for a right one
+    return 0.5 + 0.5 * (reply.strip() == answer)
+
+def near(question, reply, answer):  # partial credit and a verdict of its own
+    right = reply.strip() == answer
+    return {"reward": 0.5 + 0.5 * right, "correct": right}
+
+def apart(question, reply, answer):  # a verdict apart from the reward: right at a reward under 1
+    return {"reward": 0.25, "correct": reply.strip() == answer, "format": 1}
+
+def misspelt(question, reply, answer):
+    return {"reward": 1.0, "corect": True}
+
+def half_right(question, reply, answer):
+    return {"reward": 1.0, "correct": 0.5}
+"""
+
+
+@pytest.mark.parametrize("name,right,wrong", [("credit", 1.0, 0.5), ("near", 1.0, 0.5), ("apart", 0.25, 0.25)])
+def test_a_grader_functions_partial_credit_is_a_reward_and_correct_counts_right_replies(tmp_path, name, right, wrong):
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "graders.py").write_text(CREDIT_GRADERS)
+    task = JSONLTask(path, "train", grader=f"{tmp_path / 'graders.py'}:{name}")
+    problem = task[0]
+    for reply, reward, correct in ((problem["answer"], right, True), ("no", wrong, False)):
+        assert task.reward(problem, reply) == reward and task.reward_parts(problem, reply)["correct"] == reward
+        assert task.evaluate(problem, reply) is correct  # what pass@k counts
+        assert task.eval_metrics(problem, reply) == {"correct": float(correct)}  # eval_correct: the same verdict
+    assert task.reward_parts(problem, "no")["format"] == (1.0 if name == "apart" else 0.0)
+
+
+@pytest.mark.parametrize("name,said", [("misspelt", "'corect': True"), ("half_right", "'correct': 0.5")])
+def test_a_grader_functions_dict_names_reward_and_a_verdict_or_is_one_line(tmp_path, name, said):
+    from tasks import GraderError
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(20))
+    (tmp_path / "graders.py").write_text(CREDIT_GRADERS)
+    task = JSONLTask(path, "train", grader=f"{tmp_path / 'graders.py'}:{name}")
+    with pytest.raises(GraderError) as error:
+        task.reward(task[0], "7")
+    message = str(error.value)
+    assert said in message and '{"reward": number, "correct": True or False' in message and "\n" not in message
+
+
+def test_eval_correct_is_the_share_of_right_replies_and_eval_reward_the_mean_credit(tmp_path):
+    # a grader that pays half for any reply: a random policy's eval_reward is at least 0.5, its eval_correct the
+    # share of its greedy replies that are the answer (before: the mean credit, as eval_reward)
+    path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(40))
+    (tmp_path / "graders.py").write_text(CREDIT_GRADERS)
+    grpo.main(base_flags(tmp_path, "credit", "--task", path, "--grader", f"{tmp_path / 'graders.py'}:credit",
+                         "--num-steps", "1", "--eval-every", "1", "--save-every", "0", "--pass-k", "2"))
+    final = [json.loads(line) for line in open(tmp_path / "runs" / "credit" / "metrics.jsonl")][-1]
+    replies = [json.loads(line) for line in open(tmp_path / "runs" / "credit" / "evals" / "step_1.jsonl")]
+    test = JSONLTask(path, "test")
+    right = [r["reply"].strip() == test[r["index"]]["answer"] for r in replies]
+    assert [r["correct"] for r in replies] == [float(x) for x in right]
+    assert [r["reward"] for r in replies] == [0.5 + 0.5 * x for x in right]
+    assert final["eval_correct"] == sum(right) / len(replies) and final["eval_examples"] == len(replies) == 4
+    assert final["eval_reward"] == 0.5 + 0.5 * final["eval_correct"] and "eval_pass@2" in final
+
+
+def test_a_python_task_without_eval_metrics_logs_the_share_of_correct_replies(tmp_path):
+    from tasks import OwnTask, task_class
+    (tmp_path / "own.py").write_text(TASK_FILE.replace(
+        '    def eval_metrics(self, conversation, reply_text):\n        return {"exact": self.reward(conversation, '
+        'reply_text)}\n', ""))
+    spec = f"{tmp_path / 'own.py'}:Reverse"
+    task = OwnTask(task_class(spec)("test"), spec)
+    problem = task[0]
+    answer = problem["messages"][-1]["content"]
+    assert task.eval_metrics(problem, answer) == {"correct": 1.0} and task.evaluate(problem, answer)
+    assert task.eval_metrics(problem, "x") == {"correct": 0.0} and not task.evaluate(problem, "x")
 
 
 def test_a_grader_that_exits_after_a_save_is_one_line_and_the_saved_step_stays(tmp_path):

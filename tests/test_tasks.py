@@ -165,13 +165,26 @@ def test_sort_rewards():
     digits, target = conversation["messages"][0]["content"], conversation["messages"][1]["content"]
     assert len(digits) == 5 and target == "".join(sorted(digits))
     assert task.reward(conversation, target) == 1.0 and task.evaluate(conversation, target)
-    assert task.reward(conversation, " " + target + "\n") == 1.0
     wrong = "".join("x" for _ in target)
     assert task.reward(conversation, wrong) == 0.0 and not task.evaluate(conversation, wrong)
     assert task.reward(conversation, target[:3]) == 3 / 5
     assert task.reward(conversation, target + "99999") == 5 / 10  # padding a reply costs reward
     assert task.reward(conversation, "") == 0.0
     assert task.reward(conversation, "\x00\ufffd" * 1000) == 0.0
+
+
+@pytest.mark.parametrize("pad", [" ", "\n", "\t", "\x1f\x1e\x1f", "\x1c", "\u00a0", "\u3000"])
+def test_sort_accepts_the_digits_alone_and_padding_costs_reward(pad):
+    # str.strip() drops these (the control characters \x1c-\x1f too): reinforce learned to pad its answers with
+    # them and was scored exact. Padding is wrong, and costs reward as extra characters do.
+    task = Sort("test")
+    conversation = task[0]
+    target = conversation["messages"][-1]["content"]
+    assert pad.strip() == ""
+    for reply in (target + pad, pad + target, pad + target + pad):
+        assert not task.evaluate(conversation, reply) and task.eval_metrics(conversation, reply) == {"exact": 0.0}
+        assert task.reward(conversation, reply) <= len(target) / len(reply) < 1.0
+    assert task.reward(conversation, target + pad) == len(target) / (len(target) + len(pad))
 
 
 def test_sort_is_seeded_and_test_split_is_fixed():
