@@ -859,8 +859,8 @@ arg("--threads", type=count, default=None, help="CPU threads of a CPU run, fixed
 arg("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="how the sampler's decode "
     "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU")
 arg("--self-check", action=argparse.BooleanOptionalAction, default=None, help="before the first step, compare the "
-    "fast paths (packed/flash attention, compiled forward, captured decode) with the plain one on a few real rows, "
-    "and stop if they differ beyond rounding (default: on with CUDA)")
+    "fast paths (packed/flash attention, compiled forward, captured decode as rows finish, a teacher's forward and "
+    "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
     help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "

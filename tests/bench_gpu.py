@@ -127,7 +127,7 @@ def fast_path_check(model):
         task = Sort("train")
         static = (8, task.longest_prompt(tokenizer) + 15) if compiled else None  # as a run's: rows, longest row
         run = SimpleNamespace(model=model, tokenizer=tokenizer, train_task=task, autocast=autocast, device=device,
-                              static_pack=static, log=lambda line: print("  " + line))
+                              static_pack=static, teacher=None, log=lambda line: print("  " + line))
         try:
             grpo.self_check(check, run)
         except SystemExit as stop:
