@@ -1740,7 +1740,7 @@ def self_check(args, run, questions=4, new_tokens=16):
                                decode=args.decode, ends=ends)
         results = self_check_paths(args, run, check, prompts, samples)
     finally:
-        for net in (model, run.teacher or model):
+        for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
         with torch.no_grad():
             for p in zero:
@@ -1803,7 +1803,7 @@ def self_check_paths(args, run, check, prompts, samples):
     them. Every path's student takes the fast path's teacher (its ids laid out for each pass), so that the student's
     gather is compared at the same tokens and the teacher's forward on its own."""
     model, teacher, G = run.model, run.teacher, check.num_samples
-    rows = len(prompts) * G
+    rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
     plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
     paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
     params = [p for p in model.parameters() if p.requires_grad]
@@ -1814,11 +1814,12 @@ def self_check_paths(args, run, check, prompts, samples):
         batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
                                      run.static_pack if path_args.pack else None), run.device)
         micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
-        for net in (model, teacher or model):
+        for net in nets:
             net.use_compile = args.compile and name == "fast"
         terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
         own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
-        taught = taught or own
+        if name == "fast":
+            taught = own
         logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
         loss = 0.0
         for i, mb in enumerate(micro_batches):
@@ -1831,9 +1832,10 @@ def self_check_paths(args, run, check, prompts, samples):
             if forward:
                 kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
         grads = torch.autograd.grad(loss, params)
-        values = [t for t in own[1 if forward else 0:] if t is not None]  # top-k log-probs and the rest's, or one
-        values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in values], dim=2) * mask[..., None] if own else \
-            mask.new_zeros(0)
+        values = mask.new_zeros(0)
+        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
+            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
+            values = values * mask[..., None]
         results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
                              sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
                              kl=kl if forward else mask.new_zeros(0))
@@ -1922,9 +1924,10 @@ def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
         f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
             f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
     steps = sorted({end for end in ends if end >= 0})
+    ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
-            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}, rows "
-            f"made to end at steps {', '.join(map(str, steps))}; {len(ends)} rows" + (
+            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
+            f"{len(ends)} rows" + (
                 f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
                 else "") + f"; {seconds:.1f}s")
 
