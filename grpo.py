@@ -849,8 +849,8 @@ arg("--threads", type=count, default=None, help="CPU threads of a CPU run, fixed
 arg("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="how the sampler's decode "
     "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU")
 arg("--self-check", action=argparse.BooleanOptionalAction, default=None, help="before the first step, compare the "
-    "fast paths (packed/flash attention, compiled forward, captured decode) with the plain one on a few real rows, "
-    "and stop if they differ beyond rounding (default: on with CUDA)")
+    "fast paths (packed/flash attention, compiled forward, captured decode as rows finish, a teacher's forward and "
+    "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)")
 arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
 arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
     help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
@@ -1716,10 +1716,13 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 def self_check(args, run, questions=4, new_tokens=16):
     """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
-    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), then
-    their log-probs and the gradient of the update's loss (fixed random advantages) through the update's own pass
-    (micro_batch_loss: packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows,
-    eager), each measured against the plain path in float32; the sampler's own log-probs likewise. The check's batch
+    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), the
+    rows made to end at staggered steps (staggered_ends: the static decode halves its batch and runs each smaller
+    batch's step, captured on a GPU; the dynamic one drops rows), then their log-probs and the gradient of the
+    update's loss (fixed random advantages; a teacher's term too) through the update's own pass (micro_batch_loss:
+    packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows, eager), each
+    measured against the plain path in float32; the sampler's own log-probs likewise; with a teacher, its own
+    forward and the forward KL at its top-k (the student's gather) likewise (self_check_paths). The check's batch
     is its own (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's
     flags. A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs
     whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
@@ -1728,64 +1731,182 @@ def self_check(args, run, questions=4, new_tokens=16):
     start, model = time.time(), run.model
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
-                                   advantage="mean", kl_coef=0.0, distill_coef=0.0, rollout_correction="off"))
+                                   advantage="mean", kl_coef=0.0, rollout_correction="off",
+                                   distill_coef=args.distill_coef if run.teacher is not None else 0.0))
     G = check.num_samples  # the check's own replies a question, whatever the run's
-    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(
-        run.train_task)))]
-    rows = len(prompts) * G
-    plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
-    paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
-    params = [p for p in model.parameters() if p.requires_grad]
-    advantages = torch.randn(rows, 1, generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    prompts = distinct_lengths([run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(
+        questions, len(run.train_task)))])
+    length = min(new_tokens, args.max_new_tokens)
+    ends = staggered_ends(len(prompts) * G, length)
     zero = [p for name, p in model.named_parameters() if name.endswith("c_proj.weight") and not p.any()]
     # a fresh model's head is tiny too (nanochat's 0.001 std): its log-probs barely move with its hidden states
     head = model.lm_head.weight.detach().clone() if zero else None
     noise = torch.Generator().manual_seed(args.seed)
-    results = {}
     try:
         with torch.no_grad():
             for p in zero + ([model.lm_head.weight] if zero else []):  # as the others start: 1 / sqrt(fan-in)
                 p.copy_(torch.randn(p.shape, generator=noise) / math.sqrt(p.size(1)))
         model.eval()
         with run.autocast:
-            samples = generate(model, run.tokenizer, prompts, G, min(new_tokens, args.max_new_tokens),
-                               args.temperature, None, seed=args.seed, decode=args.decode)
-        for name, (path_args, autocast) in paths.items():
-            batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
-                                         run.static_pack if path_args.pack else None), run.device)
-            denominator = batch["loss_mask"].sum()
-            logprobs = torch.zeros_like(batch["loss_mask"])  # [rows, width]
-            loss = 0.0
-            model.use_compile = args.compile and name == "fast"
-            for mb in batch["micro_batches"]:
-                with autocast:
-                    mb_loss, _, mb_logprobs = micro_batch_loss(model, mb, None, None, None, advantages[mb["rows"]],
-                                                               denominator, path_args)
-                loss = loss + mb_loss
-                logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
-            grads = torch.autograd.grad(loss, params)
-            results[name] = (logprobs, torch.cat([g.flatten().float() for g in grads]),
-                             batch["sampler_logprobs"] * batch["sampled_mask"])
+            samples = generate(model, run.tokenizer, prompts, G, length, args.temperature, None, seed=args.seed,
+                               decode=args.decode, ends=ends)
+        results = self_check_paths(args, run, check, prompts, samples)
     finally:
-        model.use_compile = args.compile
+        for net in [model] + ([run.teacher] if run.teacher is not None else []):
+            net.use_compile = args.compile
         with torch.no_grad():
             for p in zero:
                 p.zero_()
             if zero:
                 model.lm_head.weight.copy_(head)
-    reference_logprobs, reference_grads, _ = results["float32"]
-    def distance(name):
-        logprobs, grads, _ = results[name]
-        return ((logprobs - reference_logprobs).abs().max(),
-                (grads - reference_grads).norm() / reference_grads.norm().clamp(min=1e-30))
-    fast, plain = distance("fast"), distance("plain")
-    decode = (results["plain"][2] - reference_logprobs).abs().max()
-    checks = torch.stack([fast[0], plain[0], fast[1], plain[1], decode]).double()
+    reference = results["float32"]
+
+    def distance(name, key):
+        value, ref = results[name][key], reference[key]
+        if key == "grads":
+            return (value - ref).norm() / ref.norm().clamp(min=1e-30)
+        return (value - ref).abs().max() if ref.numel() else ref.new_zeros(())
+    checks = torch.stack([distance(name, key) for key in SELF_CHECKED for name in ("fast", "plain")] + [
+        (results["plain"]["sampler"] - reference["logprobs"]).abs().max()]).double()
     checks = torch.where(checks.isfinite(), checks, math.inf)
-    checks = all_reduce(checks, dist.ReduceOp.MAX)  # the worst rank's: every rank stops if one fails
-    fast_lp, plain_lp, fast_grad, plain_grad, decode = checks.tolist()
-    bound_lp = SELF_CHECK_FACTOR * plain_lp + SELF_CHECK_FLOOR
-    bound_grad = SELF_CHECK_FACTOR * plain_grad + SELF_CHECK_FLOOR
+    checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
+    measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
+    self_check_verdict(args, run, measured, checks[-1], ends, len(zero), time.time() - start)
+
+
+SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
+
+
+def distinct_lengths(prompts):
+    """The prompts, each a different length (a prompt as long as an earlier one loses its first tokens): rows of a
+    batch then have different left padding, whose bookkeeping as the batch shrinks is wrong or right only where it
+    differs (the demo's prompts are all alike)."""
+    seen = set()
+    for i, prompt in enumerate(prompts):
+        while len(prompt) in seen and len(prompt) > 1:
+            prompt = prompt[1:]
+        prompts[i] = prompt
+        seen.add(len(prompt))
+    return prompts
+
+
+def staggered_ends(rows, length):
+    """The step at which each of the self-check's rows is made to end (generate's ends; -1: it runs on). At each of
+    a few evenly spaced steps half of the rows still running end (rows 0, 2, 4, .. first, then 1, 5, 9, .., as a
+    ruler's marks: the rows that move up in the batch are other prompts', whose padding differs), the last row
+    never: each halving of the static decode and the dynamic decode's row drops happen, with rows left to sample
+    after each, in every smaller batch."""
+    halvings = max(1, (rows - 1).bit_length())  # down to one row
+    spacing = max(1, length // (halvings + 1))
+    ends = []
+    for r in range(rows):
+        wave = (r ^ (r + 1)).bit_length() - 1  # the trailing 1 bits of r: 0 for even rows, 1 for 1, 5, 9, ...
+        end = spacing * (wave + 1) - 1
+        ends.append(end if wave < halvings and end < length - 1 else -1)
+    return ends
+
+
+def self_check_paths(args, run, check, prompts, samples):
+    """The check's replies through each path: the run's own ("fast"), the plain one ("plain": padded rows, eager)
+    and the plain one in float32 -> {path: dict(logprobs: of the sampled tokens [N, T]; grads: of the loss, flat;
+    sampler: the sampler's log-probs [N, T]; teacher: the teacher's own forward at the loss positions, its top-k
+    log-probs and the rest's [N, T, k + 1] (in descending order: near-ties may swap, the values do not) or its
+    log-probs of the tokens [N, T]; kl: the forward KL at the teacher's top-k [N, T])}, the last two empty without
+    them. Every path's student takes the fast path's teacher (its ids laid out for each pass), so that the student's
+    gather is compared at the same tokens and the teacher's forward on its own."""
+    model, teacher, G = run.model, run.teacher, check.num_samples
+    rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
+    plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
+    paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
+    params = [p for p in model.parameters() if p.requires_grad]
+    advantages = torch.randn(rows, 1, generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    forward = teacher is not None and check.distill_divergence == "forward"
+    results, taught = {}, None  # taught: the fast path's teacher, its tensors in the rows' layout [N, T, ...]
+    for name, (path_args, autocast) in paths.items():
+        batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
+                                     run.static_pack if path_args.pack else None), run.device)
+        micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
+        for net in nets:
+            net.use_compile = args.compile and name == "fast"
+        terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
+        own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
+        if name == "fast":
+            taught = own
+        logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
+        loss = 0.0
+        for i, mb in enumerate(micro_batches):
+            term = terms[i] if name == "fast" or teacher is None else term_for(taught, mb)
+            with autocast:
+                mb_loss, parts, mb_logprobs = micro_batch_loss(model, mb, None, None, term, advantages[mb["rows"]],
+                                                               mask.sum(), path_args)
+            loss = loss + mb_loss
+            logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
+            if forward:
+                kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
+        grads = torch.autograd.grad(loss, params)
+        values = mask.new_zeros(0)
+        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
+            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
+            values = values * mask[..., None]
+        results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
+                             sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
+                             kl=kl if forward else mask.new_zeros(0))
+    return results
+
+
+def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
+    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms): with
+    --distill-divergence forward its top-k ids in the pass's layout and their log-probs and the rest's in the rows',
+    else its log-probs of the tokens; through this path (packed or not, compiled or not: args, teacher.use_compile).
+    float32: a teacher stored with bf16 matrices (frozen) computes in float32 for the while, its matrices upcast
+    (exactly) and rounded back to the same bits after."""
+    if teacher is None:
+        return [None] * len(micro_batches)
+    matrices = [m for m in teacher.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.float32]
+    with on_device(teacher, device) if args.teacher_offload else nullcontext(), autocast:
+        try:
+            for m in matrices if float32 else []:
+                m.float()
+            if args.distill_divergence == "forward":
+                return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+            return frozen_logprobs(teacher, micro_batches, args, nullcontext())
+        finally:
+            for m in matrices if float32 else []:
+                m.to(torch.bfloat16)
+
+
+def terms_in_rows(terms, micro_batches):
+    """Each micro-batch's teacher term as tensors in the rows' layout [R, width, ...]: (ids, top-k log-probs, the
+    rest's log-prob or None), or (log-probs,); none without a teacher."""
+    if terms[0] is None:
+        return []
+    if isinstance(terms[0], dict):
+        return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
+    return [(t,) for t in terms]
+
+
+def batch_rows(parts, micro_batches, like):
+    """One tensor of each micro-batch, [R, width, ...] in the rows' layout -> the batch's [N, T, ...] (like: [N, T]),
+    zeros past a row's pass; None stays None."""
+    if parts[0] is None:
+        return None
+    out = parts[0].new_zeros(like.shape + parts[0].shape[2:])
+    for part, mb in zip(parts, micro_batches):
+        out[mb["rows"], :part.size(1)] = part
+    return out
+
+
+def term_for(taught, mb):
+    """The teacher's term (taught: its tensors in the rows' layout, terms_in_rows' order, [N, T, ...]) for a micro-batch
+    of padded rows, whose pass's layout is the rows'."""
+    part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
+    return part[0] if len(part) == 1 else {"ids": part[0], "logprobs": (part[1], part[2])}
+
+
+def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
+    """Each path's distance against its bound (measured: what -> [fast, plain] distances from the float32 path;
+    decode: the sampler's): one line, or the run stops on the first path beyond its bound."""
+    bounds = {key: SELF_CHECK_FACTOR * plain + SELF_CHECK_FLOOR for key, (_, plain) in measured.items()}
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
@@ -1794,21 +1915,33 @@ def self_check(args, run, questions=4, new_tokens=16):
     decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
     compiled = ", compiled" if args.compile and decode_flag else ""
     decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
-    failed = [(what, value, bound, flag) for what, value, bound, flag in (
-        (f"{fast_path}: log-probs", fast_lp, bound_lp, fast_flag),
-        (f"{fast_path}: the gradient", fast_grad, bound_grad, fast_flag),
-        (f"{decode_path}: its log-probs", decode, bound_lp + plain_lp, decode_flag),
+    (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
+        measured[key] for key in SELF_CHECKED)
+    failed = [(what, value, bound, rounding, flag) for what, value, bound, rounding, flag in (
+        (f"{fast_path}: log-probs", fast_lp, bounds["logprobs"], plain_lp, fast_flag),
+        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, bounds["kl"],
+         plain_kl, fast_flag),
+        (f"{fast_path}: the gradient", fast_grad, bounds["grads"], plain_grad, fast_flag),
+        (f"{decode_path}: its log-probs", decode, bounds["logprobs"] + plain_lp, plain_lp, decode_flag),
+        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, bounds["teacher"], plain_teacher,
+         fast_flag),
     ) if not value <= bound]
     if failed:
-        what, value, bound, flag = failed[0]
+        what, value, bound, rounding, flag = failed[0]
         remedy = f"run with {flag} (and report it)" if flag else "report it"
         sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
-                 f"run's own rounding {plain_lp if 'log' in what else plain_grad:.3g}): that path is wrong on this "
-                 f"device; {remedy}, or --no-self-check to train anyway")
+                 f"run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
+                 "--no-self-check to train anyway")
+    taught = "" if run.teacher is None else (
+        f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
+            f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
+    steps = sorted({end for end in ends if end >= 0})
+    ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
-            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}); {decode_path} log-probs {decode:.2e}; "
-            f"{rows} rows" + (f"; a fresh model's {len(zero)} zero output projections and its head filled with "
-                              "noise for it" if zero else "") + f"; {time.time() - start:.1f}s")
+            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
+            f"{len(ends)} rows" + (
+                f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
+                else "") + f"; {seconds:.1f}s")
 
 
 def load_policy(args, log, shapes_only=False):

@@ -685,7 +685,7 @@ def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-             tool=None, decode="auto"):
+             tool=None, decode="auto", ends=None):
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
@@ -697,6 +697,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     step of small kernels is bound by launches, not by the GPU). With model.use_compile a static step runs compiled
     (its small kernels fused), captured or not. The same tokens either way, up to rounding (the attention sums over
     a different number of columns; each row's noise is its own, wherever it sits in the batch).
+    `ends` (the start-up self-check's): [N] the step at which each row is made to end, its stop token forced as a
+    tool's output is (not sampled: mask 0), or -1 (it ends as it comes), so that rows finish at chosen steps.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -707,7 +709,10 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
       lengths [N]: reply length including the stop token and forced tokens;
       truncated [N]: the reply hit max_new_tokens before a stop token.
     They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
+    if decode not in ("auto", "dynamic", "static", "graph"):
+        raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     device = model.lm_head.weight.device
+    decode = decode if decode != "auto" else "graph" if device.type == "cuda" else "dynamic"
     P, G = len(prompts), num_samples
     N = P * G
     # All randomness is drawn up front from one generator per prompt, seeded `seed + p` (or seed[p]): a
@@ -715,25 +720,9 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
     noise = torch.cat([torch.rand(G, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
     noise = noise.to(device)
-
-    # Prefill every prompt once, left-padded so that all rows end at the same column.
-    longest = max(len(p) for p in prompts)
-    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
-    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
-    cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
-    logits = model.logits(model.hidden(idx, cache)[:, -1], softcap=False)  # [P, V]: the head at the last column only
-    # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
-    shared = torch.arange(P, device=device).repeat_interleave(G)
-    cache.select(shared)
-    if decode == "auto":
-        decode = "graph" if device.type == "cuda" else "dynamic"
-    if decode not in ("dynamic", "static", "graph"):
-        raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
-    if decode != "dynamic":
-        cache.make_static(model.config.n_head)
+    cache, logits = prefill(model, prompts, G, max_new_tokens, static=decode != "dynamic")  # [N, V]: each row's own
     step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
-    sampled, sampled_logprob = sample_tokens(logits[shared], temperature, top_k, noise[:, 0],
-                                             model.generation.softcap)  # [N], [N]
+    sampled, sampled_logprob = sample_tokens(logits, temperature, top_k, noise[:, 0], model.generation.softcap)
 
     tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
     mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
@@ -745,16 +734,19 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
     num_forced = torch.zeros(N, dtype=torch.long, device=device)
     stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
+    ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device)
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
     for t in range(max_new_tokens):
-        is_forced = num_forced > 0
-        token = torch.where(is_forced, forced[:, 0] if forced.size(1) else sampled, sampled).masked_fill(done, 0)
+        ending = ends[rows] == t
+        is_forced = (num_forced > 0) | ending
+        token = torch.where(num_forced > 0, forced[:, 0] if forced.size(1) else sampled, sampled)
+        token = torch.where(ending, tokenizer.assistant_end, token).masked_fill(done, 0)
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
         tokens[rows, t] = token
         mask[rows, t] = (~is_forced & ~done).long()
         logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
-        stopped = ~done & ~is_forced & torch.isin(token, stop_ids)
+        stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids))
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
         truncated[rows] &= ~stopped
         done |= stopped
@@ -764,25 +756,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if num_running == 0 or t == max_new_tokens - 1:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
-            for i in calls.nonzero().flatten().tolist():
-                reply = tokens[rows[i], :t].tolist()
-                starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
-                result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
-                if result is not None:
-                    queue = [tokenizer.output_start] + tokenizer.encode(result) + [tokenizer.output_end]
-                    if len(queue) > forced.size(1):
-                        forced = F.pad(forced, (0, len(queue) - forced.size(1)))
-                    forced[i, :len(queue)] = torch.tensor(queue, device=device)
-                    num_forced[i] = len(queue)
-        batch = done.numel()
-        if decode == "dynamic" and num_running <= 0.75 * batch:  # finished rows leave the batch
-            keep = (~done).nonzero().flatten()
-        elif decode != "dynamic" and num_running <= batch // 2:  # static shapes: the batch halves (a few sizes,
-            while num_running <= batch // 2:  # each with its own captured step), finished rows filling it up
-                batch //= 2
-            keep = torch.sort(done.int(), stable=True).indices[:batch]  # the running rows first, in their order
-        else:
-            keep = None
+            forced, num_forced = call_tool(tool, tokenizer, tokens[rows, :t], calls, forced, num_forced)
+        keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
@@ -791,6 +766,54 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         sampled, sampled_logprob = step(token, noise[rows, t + 1])
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                                         truncated=truncated).items()}
+
+
+def prefill(model, prompts, num_samples, max_new_tokens, static):
+    """Every prompt through the model once, left-padded so that all rows end at the same column -> (the KV cache,
+    with each prompt's rows repeated for its samples; static: KVCache.make_static; the logits of each sample's first
+    token [N, V], raw)."""
+    device = model.lm_head.weight.device
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
+    logits = model.logits(model.hidden(idx, cache)[:, -1], softcap=False)  # [P, V]: the head at the last column only
+    # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
+    shared = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
+    cache.select(shared)
+    if static:
+        cache.make_static(model.config.n_head)
+    return cache, logits[shared]
+
+
+def call_tool(tool, tokenizer, replies, calls, forced, num_forced):
+    """The rows that just closed a python block (calls [B]; replies [B, t]: the running rows' tokens so far): the
+    tool's answer to each block, queued to be forced into the reply -> (forced [B, longest queue], num_forced [B])."""
+    for i in calls.nonzero().flatten().tolist():
+        reply = replies[i].tolist()
+        starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
+        result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
+        if result is not None:
+            queue = [tokenizer.output_start] + tokenizer.encode(result) + [tokenizer.output_end]
+            if len(queue) > forced.size(1):
+                forced = F.pad(forced, (0, len(queue) - forced.size(1)))
+            forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
+            num_forced[i] = len(queue)
+    return forced, num_forced
+
+
+def rows_to_keep(done, num_running, decode):
+    """-> the rows of the running batch [B] that go on decoding, or None (all of them). Dynamic: finished rows
+    leave once a quarter of the batch has finished. Static: the batch halves once half of it has finished (a few
+    sizes, each with its own captured step), the running rows first, in their order, finished ones filling it up."""
+    batch = done.numel()
+    if decode == "dynamic":
+        return (~done).nonzero().flatten() if num_running <= 0.75 * batch else None
+    if num_running > batch // 2:
+        return None
+    while num_running <= batch // 2:
+        batch //= 2
+    return torch.sort(done.int(), stable=True).indices[:batch]
 
 
 # -----------------------------------------------------------------------------

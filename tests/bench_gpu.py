@@ -131,7 +131,7 @@ def fast_path_check(bench, model, compiled=None):
         task = Sort("train")
         static = (8, task.longest_prompt(bench.tokenizer) + 15) if compile_ else None  # as a run's: rows, longest row
         run = SimpleNamespace(model=model, tokenizer=bench.tokenizer, train_task=task, autocast=bench.autocast,
-                              device=bench.device, static_pack=static, log=say)
+                              device=bench.device, static_pack=static, teacher=None, log=say)
         try:
             grpo.self_check(check, run)
         except SystemExit as stop:

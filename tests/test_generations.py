@@ -134,6 +134,28 @@ def test_static_decoding_samples_what_dynamic_decoding_samples(generation, monke
     assert len(set(lengths)) > 2  # rows finished at different steps (in 5 generations of 7, half of them: it halves)
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_rows_made_to_end_at_chosen_steps_end_there_and_the_others_sample_as_they_would(decode):
+    # generate's ends (the self-check's): a row's stop token forced at its step (not sampled: mask 0, log-prob 0),
+    # the batch shrinking as it does when rows finish; the rows that go on sample what they sample without it, and
+    # the ended rows' earlier tokens too (each row's noise is its own)
+    prompts = random_tokens(5, 40, 77)
+    model = random_model("smear-backout")
+    ends = [1, -1, 3, 0, -1, 5, 1, 1, 2, -1, -1, 4]
+    free = generate(model, TOK, prompts, 4, 12, seed=3, decode=decode)
+    ended = generate(model, TOK, prompts, 4, 12, seed=3, decode=decode, ends=ends)
+    assert (free["truncated"] & (free["lengths"] == 12)).all()  # without ends, no row stops on its own here
+    for row, end in enumerate(ends):
+        n = 12 if end < 0 else end + 1
+        assert ended["lengths"][row] == n and ended["truncated"][row] == (end < 0)
+        assert ended["tokens"][row, :n - (end >= 0)].tolist() == free["tokens"][row, :n - (end >= 0)].tolist()
+        torch.testing.assert_close(ended["logprobs"][row, :n - (end >= 0)], free["logprobs"][row, :n - (end >= 0)],
+                                   rtol=0, atol=1e-5)
+        if end >= 0:
+            assert ended["tokens"][row, end] == TOK.assistant_end and ended["mask"][row, end] == 0
+            assert ended["logprobs"][row, end] == 0 and not ended["tokens"][row, n:].any()
+
+
 @pytest.mark.parametrize("generation", ["classic", "value-embeds", "smear-backout"])
 def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation, monkeypatch):
     # The CUDA branch of a static decode step (flash attention with seqused_k: each row's keys from its first real
