@@ -69,7 +69,7 @@ from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, CheckpointFileError,
                    checkpoint_steps, error_summary, find_checkpoint, flash_varlen_takes, generate, load_checkpoint,
                    load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows, save_checkpoint,
                    stop_signal, writing)
-from tasks import GraderError, build, code_fingerprint, task_class, task_name
+from tasks import GraderError, build, code_fingerprint, default_num_steps, task_class, task_name
 from tasks.jsonl import GRADERS
 
 
@@ -1133,8 +1133,8 @@ def resolve_config(argv=None):
         for spec in args.eval_task or []:
             task_class(spec)
         if args.num_steps is None:
-            args.num_steps = task.default_num_steps(args)
-    except (OSError, ValueError) as e:
+            args.num_steps = default_num_steps(args.task, args)
+    except (OSError, ValueError, GraderError) as e:
         sys.exit(f"error: {e}")
     args.eval_task = args.eval_task or []
     given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
@@ -1963,7 +1963,7 @@ def load_policy(args, log, shapes_only=False):
                                       window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
         tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
     except CheckpointFileError as e:
-        unusable_checkpoint("--init", e, checkpoint_steps(checkpoint_dir))
+        unusable_checkpoint("--init", e, loadable_steps(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
     model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
@@ -2018,14 +2018,19 @@ def teacher_checkpoint(args):
     """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
     folder, the step); one error line when there is none."""
     folder = checkpoint_folder(args.teacher)
-    complete = [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
+    complete = loadable_steps(folder)
     if not complete:
         sys.exit(f"error: --teacher: no model_<step>.pt with its meta_<step>.json in {os.path.abspath(args.teacher)}: "
                  "name a nanochat checkpoint folder (e.g. <base>/chatsft_checkpoints/d32) or a run folder of grpo.py")
     step = complete[-1] if args.teacher_step is None else args.teacher_step
-    if step not in complete:
+    if step not in checkpoint_steps(folder):  # one without its meta: load_checkpoint's line, as a damaged step's
         sys.exit(f"error: --teacher-step {step}: {folder} holds steps {complete}")
     return folder, step
+
+
+def loadable_steps(folder):
+    """The steps of a checkpoint folder with both their model and meta files: those --init and --teacher can load."""
+    return [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
 
 
 def load_teacher(args, tokenizer, log, shapes_only=False):
@@ -2037,7 +2042,7 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
         teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
         teacher_tokenizer = Tokenizer.from_file(tokenizer_path(folder))
     except CheckpointFileError as e:
-        unusable_checkpoint("--teacher", e, checkpoint_steps(folder))
+        unusable_checkpoint("--teacher", e, loadable_steps(folder))
     except (OSError, ValueError) as e:
         sys.exit(f"error: --teacher: {e}")
     reads = [(t.enc._pat_str, t.enc._mergeable_ranks, t.enc._special_tokens) for t in (tokenizer, teacher_tokenizer)]
@@ -2060,22 +2065,24 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
 
 
 def unusable_checkpoint(flag, error, steps):
-    """Exit with one line for a checkpoint file that is there but cannot be used (the CheckpointFileError names it
-    and what is wrong), and how to go on: from another step of its folder (steps: those saved there; for --resume,
-    those with training state), or from another checkpoint. The one place a damaged file becomes a message, for
-    --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint through one of these)."""
+    """Exit with one line for a checkpoint file that cannot be used, damaged or a meta file missing (the
+    CheckpointFileError names it and what is wrong), and how to go on: from another step of its folder (steps:
+    loadable_steps; for --resume, those with training state), or from another checkpoint. The one place a damaged
+    file becomes a message, for --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint
+    through one of these)."""
     folder, name = os.path.split(error.path)
     step = int(re.search(r"_(\d+)\.", name).group(1))
     others = [s for s in steps if s != step]
     listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
     if not others:
         instead = ("no other step of the run has its training state" if flag == "--resume" else
-                   f"it is the only step in {folder}: copy that file again from where it came")
+                   f"no other step in {folder} has its model and meta files: copy that file again from where it "
+                   "came")
     else:
         other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
-        instead = {"--init": f"start from step {other} instead (--init-step {other}; the folder holds steps {listed})",
-                   "--teacher": f"use its step {other} instead (--teacher-step {other}; the folder holds steps "
-                                f"{listed})",
+        whole = f"the steps with model and meta files: {listed}"
+        instead = {"--init": f"start from step {other} instead (--init-step {other}; {whole})",
+                   "--teacher": f"use its step {other} instead (--teacher-step {other}; {whole})",
                    "--resume": f"move step {step}'s model, meta and state files out of the folder to resume from step "
                                f"{other} (the steps with training state: {listed})"}[flag]
     elsewhere = {"--init": "start from another checkpoint with --init", "--teacher": "name another --teacher",

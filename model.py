@@ -1065,7 +1065,7 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
     """Load model_<step>.pt + meta_<step>.json (default: the largest step) -> (model in float32, meta dict).
     generation / window_pattern override what the files say or what would be assumed (see model_from_state).
     shapes_only: the model on the meta device, its weights never read (for planning memory before loading).
-    A missing step or meta file raises FileNotFoundError; a file of the step that cannot be used,
+    A missing step raises FileNotFoundError; a file of the step that is missing (its meta) or cannot be used,
     CheckpointFileError."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
@@ -1097,9 +1097,9 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
 
 
 class CheckpointFileError(ValueError):
-    """A file of a checkpoint that is there but cannot be used: cut short, overwritten, another file's bytes. The
-    message names the file and what is wrong; .path lets the caller say how to go on (another step, another
-    checkpoint)."""
+    """A file of a checkpoint that cannot be used: cut short, overwritten, another file's bytes, or a meta file
+    missing beside its model file. The message names the file and what is wrong; .path lets the caller say how to
+    go on (another step, another checkpoint)."""
 
     def __init__(self, path, message):
         super().__init__(message)
@@ -1120,8 +1120,9 @@ def read_meta(path):
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: every model_<step>.pt needs its meta_<step>.json") from None
+    except FileNotFoundError:  # beside its model file: a step that cannot be loaded, as a damaged one
+        raise CheckpointFileError(path, f"{path} is missing: every model_<step>.pt needs its meta_<step>.json") \
+            from None
     except ValueError as e:  # also a file that is not UTF-8
         raise CheckpointFileError(path, f"{path} is not valid JSON ({e}): the checkpoint's metadata is "
                                   "damaged") from None

@@ -19,11 +19,13 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
   (a resumed run refuses data that changed under it);
 - longest_prompt(tokenizer): the longest prompt in tokens, for the memory plan.
-Subclassing Task gives sensible defaults for all but __len__, example(index), reward and evaluate.
+Subclassing Task gives sensible defaults for all but __len__, example(index), reward and evaluate (a class that
+does not subclass it gives them all).
 
 --task and --eval-task name a task (task_class): gsm8k, sort, a file ending in .jsonl (tasks/jsonl.py), or your own
 class as module:Class or path/to/file.py:Class, imported when a run names it and never otherwise, and called through
-OwnTask: what its code raises, a sys.exit too, or returns that is no finite number, is one error line (GraderError).
+OwnTask: what any of its methods raises, a sys.exit too, or returns of the wrong kind (a reward that is no finite
+number, an example that is no conversation of this shape, a length that is no int) is one error line (GraderError).
 """
 import decimal
 import hashlib
@@ -69,7 +71,9 @@ class Task:
 
 
 BUILTIN = ("gsm8k", "sort")
+PART_TYPES = ("text", "python", "python_output")  # an assistant message's parts, as model.py renders them
 TASK_METHODS = ("from_flags", "reward", "evaluate", "eval_metrics", "__len__", "__getitem__")
+TASK_DEFAULTS = tuple(name for name in vars(Task) if not name.startswith("_"))  # what a subclass of Task inherits
 
 
 def task_class(spec):
@@ -88,10 +92,21 @@ def task_class(spec):
     cls = getattr(import_task_module(module), name, None)
     if cls is None:
         raise ValueError(f"the task module {module} has no {name}: check the class name in --task {spec}")
-    missing = [m for m in TASK_METHODS if not callable(getattr(cls, m, None))] if isinstance(cls, type) else ["class"]
+    if not isinstance(cls, type):
+        raise ValueError(f"{spec} is not a task but a {type(cls).__name__}: name a class (tasks/__init__.py and "
+                         "docs/tasks.md give the interface)")
+    own = issubclass(cls, Task)  # Task's defaults fill the rest; a class of its own gives them all
+    missing = [m for m in TASK_METHODS + (("example",) if own and cls.__getitem__ is Task.__getitem__ else ())
+               if not callable(getattr(cls, m, None))] + [m for m in TASK_DEFAULTS if not own and not hasattr(cls, m)]
     if missing:
-        raise ValueError(f"{spec} is not a task: it lacks {', '.join(missing)} (subclass tasks.Task; the interface "
-                         "is in tasks/__init__.py and docs/tasks.md)")
+        raise ValueError(f"{spec} is not a task: it lacks {', '.join(missing)} (subclass tasks.Task for its "
+                         "defaults; the interface is in tasks/__init__.py and docs/tasks.md)")
+    terms = cls.reward_terms
+    if not (isinstance(terms, (tuple, list)) and terms and all(isinstance(t, str) for t in terms)):
+        raise ValueError(f"{spec}: reward_terms is {shown(terms)}: give a tuple of the reward terms' names, the "
+                         "first reward()'s")
+    if not isinstance(cls.score, str):
+        raise ValueError(f"{spec}: score is {shown(cls.score)}: give the name of the eval metric that ranks runs")
     return cls
 
 
@@ -116,6 +131,28 @@ def user_call(where, fn, *args, passes=()):
             raise GraderError(f"{where} called sys.exit({shown(e.code)}){at}: it must return, never end the "
                               "process") from None
         raise GraderError(f"{where} raised {type(e).__name__}: {shown(e, str, 200)}{at}") from None
+
+
+def conversation_problem(conversation):
+    """-> None for a conversation of nanochat's shape (the module's docstring): an optional system message, then user
+    and assistant in turn from the user's, each with text (an assistant's may be a list of parts); else what is
+    wrong with it, in a few words."""
+    messages = conversation.get("messages") if isinstance(conversation, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "not a dict with a non-empty list of messages"
+    system = isinstance(messages[0], dict) and messages[0].get("role") == "system"
+    if len(messages) == system:
+        return "no user message"
+    for i, message in enumerate(messages):
+        role = "system" if system and i == 0 else ("user", "assistant")[(i - system) % 2]
+        if not isinstance(message, dict) or message.get("role") != role:
+            return f"message {i} is not the {role}'s (an optional system message, then user and assistant in turn)"
+        content = message.get("content")
+        parts = content if role == "assistant" and isinstance(content, list) else [{"type": "text", "text": content}]
+        if not all(isinstance(p, dict) and p.get("type") in PART_TYPES and isinstance(p.get("text"), str)
+                   for p in parts):
+            return f"message {i}'s content is not text" + (" or a list of parts" if role == "assistant" else "")
+    return None
 
 
 def finite_number(value):
@@ -144,21 +181,56 @@ def shown(value, text=repr, limit=80):
 
 
 class OwnTask:
-    """A task class of the user's own, as the trainer calls it: its grading (reward, reward_parts, evaluate,
-    eval_metrics) and its tool run through user_call, and the rewards and metrics come back as floats (numpy's
-    scalars too), a GraderError where one is no finite number. Everything else is the task's own."""
+    """A task class of the user's own, as the trainer calls it: each method the trainer calls runs through
+    user_call, and what it returns is checked (examples of nanochat's shape, counts that are ints, a fingerprint
+    that is text, rewards and metrics that are finite numbers, numpy's scalars too), else a GraderError naming the
+    method. Its attributes (reward_terms, score) are the task's own."""
 
-    def __init__(self, task, spec):
-        self.task, self.spec, self.metric_names = task, spec, None
+    def __init__(self, task, spec, split):
+        self.task, self.spec, self.split, self.metric_names = task, spec, split, None
 
     def __getattr__(self, name):
         return getattr(self.task, name)
 
+    def where(self, call):
+        return f"--task {self.spec}: {call} of its {self.split} split"
+
     def __len__(self):
-        return len(self.task)
+        where = self.where("__len__()")
+        return self.count(where, user_call(where, self.task.__len__), "the number of examples")
 
     def __getitem__(self, index):
-        return self.task[index]
+        method = "example" if type(self.task).__getitem__ is Task.__getitem__ else "__getitem__"
+        where = self.where(f"{method}({index})")
+        conversation = user_call(where, self.task.__getitem__, index)
+        wrong = conversation_problem(conversation)
+        if wrong:
+            raise GraderError(f"{where} returned {shown(conversation)}: {wrong}; return a conversation "
+                              "{\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]} (docs/tasks.md)")
+        return conversation
+
+    def fingerprint(self):
+        where = self.where("fingerprint()")
+        digest = user_call(where, self.task.fingerprint)
+        if digest is not None and not isinstance(digest, str):
+            raise GraderError(f"{where} returned {shown(digest)}: return the sha256 of the data it reads as text, "
+                              "or None")
+        return digest
+
+    def longest_prompt(self, tokenizer):
+        if type(self.task).longest_prompt is Task.longest_prompt:  # Task's: over the examples as checked here
+            return Task.longest_prompt(self, tokenizer)
+        where = self.where("longest_prompt(tokenizer)")
+        return self.count(where, user_call(where, self.task.longest_prompt, tokenizer),
+                          "the longest prompt's length in tokens")
+
+    @staticmethod
+    def count(where, value, what):
+        """A length, a number of steps or of tokens from the user's code -> an int from 1 to sys.maxsize (what
+        len() takes; numpy's ints too), else a GraderError saying what to return."""
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= value <= sys.maxsize:
+            return int(value)
+        raise GraderError(f"{where} returned {shown(value)}: return {what}, an int from 1 to {sys.maxsize:,}")
 
     def graded(self, method, conversation, reply_text):
         """-> (where, what the task's method returned)."""
@@ -246,7 +318,18 @@ def build(spec, split, args):
     if spec in BUILTIN:
         return cls.from_flags(split, args)
     task = user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args, passes=(OSError, ValueError))
-    return OwnTask(task, spec)
+    return OwnTask(task, spec, split)
+
+
+def default_num_steps(spec, args):
+    """--num-steps where the flags give none: the task class's default_num_steps(args) (None: one epoch of the train
+    split, counted once it is read), a class of the user's own called as OwnTask calls its methods."""
+    cls = task_class(spec)
+    if spec in BUILTIN or spec.endswith(".jsonl"):
+        return cls.default_num_steps(args)
+    where = f"--task {spec}: default_num_steps(args)"
+    steps = user_call(where, cls.default_num_steps, args)
+    return None if steps is None else OwnTask.count(where, steps, "a number of steps (or None: one epoch)")
 
 
 def code_fingerprint(spec):

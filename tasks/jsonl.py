@@ -39,7 +39,8 @@ import re
 import unicodedata
 from fractions import Fraction
 
-from tasks import GraderError, Task, file_sha256, finite_number, import_task_module, shown, user_call
+from tasks import (GraderError, Task, conversation_problem, file_sha256, finite_number, import_task_module,
+                   shown, user_call)
 from tasks.gsm8k import calculator, ends_with_answer_line
 
 GRADERS = ("number", "exact", "choice")
@@ -263,14 +264,10 @@ def problem(row, where, default_grader):
     listing = "".join(f"\n{chr(ord('A') + i)}. {c}" for i, c in enumerate(choices))  # what the model sees
     if "messages" in row:
         messages = row["messages"]
-        # nanochat folds a system message into the first user message when it renders a conversation (model.py)
-        system = isinstance(messages, list) and messages and isinstance(messages[0], dict) and messages[0].get(
-            "role") == "system"
-        turns = messages[1:] if system else messages
-        if not (isinstance(turns, list) and len(turns) >= 2 and len(turns) % 2 == 0 and all(
-                isinstance(m, dict) and m.get("role") == ("user", "assistant")[i % 2] and isinstance(
-                    m.get("content"), str) and m["content"].strip() for i, m in enumerate(turns))) or (
-                system and not isinstance(messages[0].get("content"), str)):
+        # a task's conversation (nanochat folds a system message into the first user message when it renders one),
+        # the assistant's answer last, each turn's text not empty
+        if conversation_problem(row) or messages[-1]["role"] != "assistant" or not all(
+                isinstance(m["content"], str) and (m["content"].strip() or m["role"] == "system") for m in messages):
             raise ValueError(f"{where}: messages must be {{\"role\", \"content\"}} objects with text: an optional "
                              "system message, then user and assistant in turn, the last the assistant's answer")
         answer = messages[-1]["content"]

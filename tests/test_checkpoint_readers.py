@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from model import load_checkpoint
+from model import CheckpointFileError, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = 60
@@ -69,5 +69,5 @@ def test_a_model_file_whose_meta_is_not_written_yet_is_skipped_with_a_note(tmp_p
     assert load_checkpoint(str(tmp_path), log=notes.append)[1]["step"] == 1
     assert len(notes) == 1 and "step 2" in notes[0] and "loading step 1" in notes[0]
     os.remove(tmp_path / "meta_000001.json")  # an older step without its meta: a damaged folder, one error
-    with pytest.raises(FileNotFoundError, match="meta_000002.json"):
+    with pytest.raises(CheckpointFileError, match="meta_000002.json is missing"):
         load_checkpoint(str(tmp_path))

@@ -435,12 +435,49 @@ def test_a_damaged_only_step_says_to_go_on_from_another_checkpoint(pristine, tmp
     for name in ("model_000001.pt", "meta_000001.json", "state_000001.pt"):
         (w / CK / name).unlink()
     (w / CK / "model_000002.pt").write_bytes(b"")
-    for extra, name, says in ((["--init", str(w / CK)], "fresh", "it is the only step in"),
+    for extra, name, says in ((["--init", str(w / CK)], "fresh", "no other step in"),
                               (["--resume"], "base", "no other step of the run has its training state")):
         with pytest.raises(SystemExit) as exit_info:
             grpo.main(flags(w, *extra, "--num-steps", "4", name=name))
         message = exit_info.value.code
         assert "model_000002.pt is damaged" in message and says in message and message.endswith("with --init"), message
+
+
+# A step's meta file gone, its model file there: (entry, the steps whose meta is gone, the flags naming the step,
+# what the line must say to do). The newest step's alone, named by default, is a save under way (nanochat writes the
+# model first): skipped with a note (test_checkpoint_readers); --resume goes on from the newest complete step.
+MISSING_META = [
+    ("init", [2], ["--init-step", "2"], "the steps with model and meta files: 1"),
+    ("eval-only", [2], ["--init-step", "2"], "the steps with model and meta files: 1"),
+    ("ask", [2], ["--init-step", "2"], "the steps with model and meta files: 1"),
+    ("teacher", [2], ["--teacher-step", "2"], "the steps with model and meta files: 1"),
+    ("init", [1], ["--init-step", "1"], "start from step 2 instead (--init-step 2;"),
+    ("init", [1, 2], [], f"no other step in {{ck}} has its model and meta files: copy that file again"),
+]
+
+
+@pytest.mark.parametrize("entry,gone,named,says", MISSING_META,
+                         ids=[f"{case[0]}-{'-'.join(map(str, case[1]))}" for case in MISSING_META])
+@pytest.mark.xdist_group("pristine")
+def test_a_missing_meta_file_is_one_line_naming_the_steps_there(entry, gone, named, says, pristine, tmp_path,
+                                                                 monkeypatch):
+    w = tmp_path / "w"
+    shutil.copytree(pristine, w)
+    for step in gone:
+        (w / CK / f"meta_{step:06d}.json").unlink()
+    extra, name, advice = ENTRIES[entry]
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(w / "no-nanochat"))
+    before = snapshot(w)
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(flags(w, *extra(str(w / CK)), *named, "--num-steps", "4", name=name))
+    message = exit_info.value.code
+    flag = "--teacher" if entry == "teacher" else "--init"
+    missing = w / CK / f"meta_{gone[-1]:06d}.json"
+    assert isinstance(message, str) and "\n" not in message, message
+    assert message.startswith(f"error: {flag}: {missing} is missing: every model_<step>.pt needs its meta_<step>.json"
+                              ), message
+    assert says.format(ck=w / CK) in message and message.endswith(advice[1]), message
+    assert snapshot(w) == before
 
 
 @pytest.mark.xdist_group("pristine")

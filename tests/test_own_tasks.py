@@ -10,7 +10,7 @@ import pytest
 
 import grpo
 from conftest import ROOT
-from tasks import task_name
+from tasks import build, task_name
 from tasks.jsonl import JSONLTask, answer_letter, grade, read_letter, read_number
 
 
@@ -807,3 +807,233 @@ def test_a_missing_grader_file_names_the_flag(tmp_path):
     with pytest.raises(SystemExit) as stop:
         grpo.main(base_flags(tmp_path, "x", "--task", path, "--grader", f"{tmp_path / 'nowhere.py'}:fn"))
     assert str(stop.value.code).endswith("nowhere.py does not exist: check the path in --grader"), stop.value.code
+
+
+# A task's every other method the trainer calls, misbehaving: each "class" line below is a class of OTHER_METHODS
+OTHER_METHODS = TASK_FILE + """
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+class Stop(BaseException):
+    pass
+
+
+class LengthText(Reverse):
+    def __len__(self):
+        return "64"
+
+
+class LengthPastAnIndex(Reverse):
+    def __len__(self):
+        return 10 ** 400
+
+
+class NoTestExamples(Reverse):
+    def __len__(self):
+        return 0 if self.sort.split == "test" else 10 ** 6
+
+
+class LengthExits(Reverse):
+    def __len__(self):
+        sys.exit(0)
+
+
+class ExampleStops(Reverse):
+    def example(self, index):
+        raise Stop("a BaseException of its own")
+
+
+class ExampleText(Reverse):
+    def example(self, index):
+        return {"messages": "3 1 2"}
+
+
+class ExampleAnswerFirst(Reverse):
+    def example(self, index):
+        return {"messages": [{"role": "assistant", "content": "2 1 3"}, {"role": "user", "content": "3 1 2"}]}
+
+
+class ExampleNumbers(Reverse):
+    def example(self, index):
+        return {"messages": [{"role": "user", "content": 312}, {"role": "assistant", "content": "213"}]}
+
+
+class ItemRaises(Reverse):
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+
+class FingerprintBytes(Reverse):
+    def fingerprint(self):
+        return b"\\x00" * 32
+
+
+class FingerprintExits(Reverse):
+    def fingerprint(self):
+        sys.exit("no data")
+
+
+class PromptText(Reverse):
+    def longest_prompt(self, tokenizer):
+        return "10"
+
+
+class PromptRaises(Reverse):
+    def longest_prompt(self, tokenizer):
+        raise OverflowError("too long")
+
+
+class ExampleInterrupted(Reverse):
+    def example(self, index):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the task's code runs: the run's stop, not its error
+        time.sleep(5)
+
+
+class StepsExit(Reverse):
+    @staticmethod
+    def default_num_steps(args):
+        sys.exit(0)
+
+
+class StepsStop(Reverse):
+    @staticmethod
+    def default_num_steps(args):
+        raise Stop("no steps")
+
+
+class StepsHalf(Reverse):
+    @staticmethod
+    def default_num_steps(args):
+        return 2.5
+
+
+class StepsPastAnIndex(Reverse):
+    @staticmethod
+    def default_num_steps(args):
+        return 10 ** 400
+
+
+class NumpyCounts(Reverse):  # numpy's ints: accepted as the ints they hold
+    def __len__(self):
+        return np.int64(super().__len__())
+
+    def longest_prompt(self, tokenizer):
+        return np.int32(9)
+
+    @staticmethod
+    def default_num_steps(args):
+        return np.int64(7)
+"""
+
+
+@pytest.mark.parametrize("name,said", [
+    ("LengthText", "__len__() of its train split returned '64': return the number of examples, an int from 1 to "),
+    ("LengthPastAnIndex", "__len__() of its train split returned 100000"),
+    ("NoTestExamples", "__len__() of its test split returned 0: return the number of examples"),
+    ("LengthExits", "__len__() of its train split called sys.exit(0) (own.py line {line}, in __len__): it must "),
+    ("ExampleStops", "example(0) of its train split raised Stop: a BaseException of its own (own.py line {line}, "
+                     "in example)"),
+    ("ExampleText", "example(0) of its train split returned {{'messages': '3 1 2'}}: not a dict with a non-empty "
+                    "list of messages; return a conversation "),
+    ("ExampleAnswerFirst", "example(0) of its train split returned {{'messages': [{{'role': 'assistant'"),
+    ("ExampleNumbers", "message 0's content is not text; return a conversation"),
+    ("ItemRaises", "__getitem__(0) of its train split raised IndexError: 0 (own.py line {line}, in __getitem__)"),
+    ("FingerprintBytes", "fingerprint() of its train split returned b'\\x00\\x00"),
+    ("FingerprintExits", "fingerprint() of its train split called sys.exit('no data') (own.py line {line}, "),
+    ("PromptText", "longest_prompt(tokenizer) of its train split returned '10': return the longest prompt's length "
+                   "in tokens, an int from 1 to "),
+    ("PromptRaises", "longest_prompt(tokenizer) of its train split raised OverflowError: too long (own.py line "),
+])
+def test_every_other_method_of_a_python_task_that_misbehaves_is_one_line(tmp_path, name, said, capsys):
+    # its length, examples, fingerprint and longest prompt: what raises anything (sys.exit, a BaseException of its
+    # own) or returns the wrong kind is one line naming the method, its split and where it raised; nothing written
+    (tmp_path / "own.py").write_text(OTHER_METHODS)
+    spec = f"{tmp_path / 'own.py'}:{name}"
+    line = 1 + OTHER_METHODS.split("\n").index(f"class {name}(Reverse):") + 2
+    flag = "--eval-task" if name == "NoTestExamples" else "--task"  # a watched task: its test split, counted at start
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, flag, spec, "--num-steps", "1", "--eval-every", "0"))
+    message, printed = str(stop.value.code), capsys.readouterr()
+    assert message.startswith(f"error: --task {spec}: ") and "\n" not in message, message
+    assert said.format(line=line) in message, message
+    assert "Nothing of this run was written yet" in message and "Traceback" not in printed.out + printed.err
+    assert not os.path.exists(tmp_path / "runs" / name / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name,said", [
+    ("StepsExit", "default_num_steps(args) called sys.exit(0) (own.py line {line}, in default_num_steps)"),
+    ("StepsStop", "default_num_steps(args) raised Stop: no steps (own.py line {line}, in default_num_steps)"),
+    ("StepsHalf", "default_num_steps(args) returned 2.5: return a number of steps (or None: one epoch), an int "),
+    ("StepsPastAnIndex", "default_num_steps(args) returned 1000"),
+])
+def test_a_python_tasks_default_number_of_steps_that_misbehaves_is_one_line(tmp_path, name, said):
+    # asked while the flags are read (no --num-steps, no --demo), before any work
+    (tmp_path / "own.py").write_text(OTHER_METHODS)
+    spec = f"{tmp_path / 'own.py'}:{name}"
+    line = 1 + OTHER_METHODS.split("\n").index(f"class {name}(Reverse):") + 3
+    with pytest.raises(SystemExit) as stop:
+        grpo.resolve_config(["--init", "scratch", "--task", spec])
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --task {spec}: ") and said.format(line=line) in message, message
+    assert "\n" not in message
+
+
+def test_a_python_task_may_count_with_numpy_ints_and_a_stop_signal_in_its_code_stops_the_run(tmp_path):
+    (tmp_path / "own.py").write_text(OTHER_METHODS)
+    spec = f"{tmp_path / 'own.py'}:NumpyCounts"
+    assert grpo.resolve_config(["--init", "scratch", "--task", spec]).num_steps == 7
+    train, test = (build(spec, split, None) for split in ("train", "test"))
+    assert (len(train), len(test), test.longest_prompt(None)) == (10 ** 6, 64, 9)
+    assert type(test.longest_prompt(None)) is int and test[3] == train.task.__class__("test").example(3)
+    with pytest.raises(SystemExit) as stop:  # --no-save-on-stop: a stop at once, in the code of the task
+        grpo.main(base_flags(tmp_path, "stop", "--task", f"{tmp_path / 'own.py'}:ExampleInterrupted",
+                             "--num-steps", "1", "--no-save-on-stop"))
+    assert str(stop.value.code).startswith("error: stopped by SIGINT"), stop.value.code
+
+
+def test_a_task_whose_examples_fail_mid_run_keeps_the_saved_step(tmp_path):
+    checkpoints = tmp_path / "runs" / "late" / "chatrl_checkpoints"
+    (tmp_path / "late.py").write_text(TASK_FILE + f"""
+import glob
+
+
+class Late(Reverse):
+    def example(self, index):
+        if glob.glob({str(checkpoints / "*" / "model_*.pt")!r}):
+            return {{"messages": [{{"role": "user"}}]}}  # from the step after the first save: no content
+        return super().example(index)
+""")
+    spec = f"{tmp_path / 'late.py'}:Late"
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "late", "--task", spec, "--eval-every", "0", "--num-steps", "3",
+                             "--save-every", "1"))
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --task {spec}: example(") and "\n" not in message, message
+    assert "of its train split returned {'messages': [{'role': 'user'}]}: message 0's content is not text" in message
+    [checkpoint_dir] = checkpoints.iterdir()
+    assert grpo.complete_steps(str(checkpoint_dir)) == [1]
+    assert f"The run's newest checkpoint, step 1 in {checkpoint_dir}, is complete and unchanged" in message, message
+
+
+@pytest.mark.parametrize("body,said", [
+    ("class Bare:  # not a subclass of Task: the methods Task would give are its own to write\n"
+     "    from_flags = reward = evaluate = eval_metrics = __len__ = __getitem__ = lambda *a: None",
+     "is not a task: it lacks tool, score, reward_terms, data_flags, epochs_end, reward_parts, fingerprint, "
+     "default_num_steps, longest_prompt (subclass tasks.Task for its defaults"),
+    ("class Bare(Reverse):\n    example = None", "is not a task: it lacks example (subclass tasks.Task"),
+    ("class Bare(Reverse):\n    reward_terms = ()", "reward_terms is (): give a tuple of the reward terms' names"),
+    ("class Bare(Reverse):\n    reward_terms = 'correct'", "reward_terms is 'correct': give a tuple"),
+    ("class Bare(Reverse):\n    score = None", "score is None: give the name of the eval metric"),
+    ("Bare = Reverse('train')", "is not a task but a Reverse: name a class"),
+])
+def test_a_python_task_class_without_what_the_trainer_reads_is_one_line(tmp_path, body, said):
+    (tmp_path / "bare.py").write_text(TASK_FILE + "\n\n" + body + "\n")
+    spec = f"{tmp_path / 'bare.py'}:Bare"
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "bare", "--task", spec))
+    assert str(stop.value.code).startswith(f"error: {spec}") and said in str(stop.value.code), stop.value.code
