@@ -343,13 +343,12 @@ def test_the_heads_chunks_hold_at_most_HEAD_CHUNK_logits_as_the_memory_plan_coun
     monkeypatch.setattr(grpo, "HEAD_CHUNK", 7 * model.config.vocab_size)
     for compiled, per_unit in ((False, 76), (True, 48)):  # past one chunk the head adds nothing
         for entropy_coef in (0.0, 0.01):
-            flags = grpo.SimpleNamespace(compile=compiled, entropy_coef=entropy_coef)
+            flags = grpo.SimpleNamespace(compile=compiled, entropy_coef=entropy_coef, distill_coef=0.0)
             assert grpo.pass_activations(model.config, 100, flags) - grpo.pass_activations(
                 model.config, 50, flags) == 50 * model.config.n_layer * per_unit * model.config.n_embd
     # the head's chunk: 8 bytes a logit more when the entropies carry a gradient (their exp and product kept)
-    with_graph, logged = (grpo.pass_activations(model.config, 50, grpo.SimpleNamespace(compile=False,
-                                                                                       entropy_coef=coef))
-                          for coef in (0.01, 0.0))
+    with_graph, logged = (grpo.pass_activations(model.config, 50, grpo.SimpleNamespace(
+        compile=False, entropy_coef=coef, distill_coef=0.0)) for coef in (0.01, 0.0))
     assert with_graph - logged == 7 * model.config.vocab_size * 8
 
 
