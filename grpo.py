@@ -2322,8 +2322,9 @@ def lock_run_dir(run_dir):
 
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
-    False: the remedy changes an input --resume checks, so a new run starts from it). Rank 0 writes the checkpoints:
-    another rank does not know whether one is being written, and names none."""
+    False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
+    first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
+    not know whether one is being written, and names none."""
     rank = os.environ.get("RANK", "0")
     if rank != "0":
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
