@@ -61,6 +61,13 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
+# --help at once: importing torch takes seconds (more on a busy machine), and the flags' text needs none of it. It is
+# docs/flags.txt, which tests/test_docs.py keeps equal to what the parser (below the banner) prints.
+FLAGS_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "flags.txt")
+if __name__ == "__main__" and sys.argv[1:] in (["-h"], ["--help"]) and os.path.isfile(FLAGS_TEXT):
+    with open(FLAGS_TEXT, encoding="utf-8") as f:
+        sys.exit(print(f.read(), end=""))
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -644,6 +651,9 @@ def reset_reference(model, ref_model, optimizers, step, args):
 # -----------------------------------------------------------------------------
 # Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
 
+HELP_WIDTH = 100
+
+
 def at_least(low):
     """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
     def integer(text):  # not a number: argparse says "invalid integer value", after this function's name
@@ -667,7 +677,11 @@ def weights(text):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows each flag's default where it has one of its own (the algorithm flags' come from --algo, listed
-    in their group's description) and its help does not already say it."""
+    in their group's description) and its help does not already say it; in HELP_WIDTH columns, whatever the
+    terminal's, so that docs/flags.txt (FLAGS_TEXT) is its text."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog, **{"width": HELP_WIDTH, **kwargs})
 
     def _get_help_string(self, action):
         text = action.help or ""
