@@ -62,11 +62,12 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 # --help at once: importing torch takes seconds (more on a busy machine), and the flags' text needs none of it. It is
-# docs/flags.txt, which tests/test_docs.py keeps equal to what the parser (below the banner) prints.
+# docs/flags.txt, which tests/test_docs.py keeps the text of the parser below the banner (but for its line breaks).
 FLAGS_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "flags.txt")
 if __name__ == "__main__" and sys.argv[1:] in (["-h"], ["--help"]) and os.path.isfile(FLAGS_TEXT):
     with open(FLAGS_TEXT, encoding="utf-8") as f:
-        sys.exit(print(f.read(), end=""))
+        print(f.read(), end="")
+    sys.exit()
 
 import torch
 import torch.distributed as dist
@@ -651,9 +652,6 @@ def reset_reference(model, ref_model, optimizers, step, args):
 # -----------------------------------------------------------------------------
 # Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
 
-HELP_WIDTH = 100
-
-
 def at_least(low):
     """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
     def integer(text):  # not a number: argparse says "invalid integer value", after this function's name
@@ -677,11 +675,7 @@ def weights(text):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows each flag's default where it has one of its own (the algorithm flags' come from --algo, listed
-    in their group's description) and its help does not already say it; in HELP_WIDTH columns, whatever the
-    terminal's, so that docs/flags.txt (FLAGS_TEXT) is its text."""
-
-    def __init__(self, prog, **kwargs):
-        super().__init__(prog, **{"width": HELP_WIDTH, **kwargs})
+    in their group's description) and its help does not already say it."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -827,11 +821,13 @@ arg("--eval-every", type=at_least(0), default=60,
     help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
-arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit; "
-    "with --resume the run's newest checkpoint, written to the run's eval_only.jsonl and evals/eval_only_step_N.jsonl "
-    "only")
+arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems (or "
+    "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
+    "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
+    "task and sampling settings (its config.json), but for the flags given")
 arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
-    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing")
+    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
+    "run's settings as --eval-only does")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
 arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)")
 arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
@@ -1686,8 +1682,9 @@ def start_run(args, run_dir, rank, writes):
         setup_log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
     if args.self_check if args.self_check is not None else device.type == "cuda":
         self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
-    for note in [] if args.ask else args.notes:  # after the configuration, the plan and the self-check: the last
-        log(f"note: {note}")                     # lines before the steps (--ask's follow its first line)
+    # after the configuration, the plan and the self-check: the last lines before the steps (--ask's: after its first)
+    for note in args.notes if not args.ask else ():
+        log(f"note: {note}")
     if args.eval_only:
         log(f"--eval-only: {evaluation_settings(args)}")
     wall_before = write_run_files(args, run) if writes else 0.0
