@@ -61,6 +61,14 @@ from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
+# --help at once: importing torch takes seconds (more on a busy machine), and the flags' text needs none of it. It is
+# docs/flags.txt, which tests/test_docs.py keeps the text of the parser below the banner (but for its line breaks).
+FLAGS_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "flags.txt")
+if __name__ == "__main__" and sys.argv[1:] in (["-h"], ["--help"]) and os.path.isfile(FLAGS_TEXT):
+    with open(FLAGS_TEXT, encoding="utf-8") as f:
+        print(f.read(), end="")
+    sys.exit()
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -814,11 +822,13 @@ arg("--eval-every", type=at_least(0), default=60,
     help="steps between evals, and one at the start and the end (0: no evals)")
 arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
 arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
-arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems, then exit; "
-    "with --resume the run's newest checkpoint, written to the run's eval_only.jsonl and evals/eval_only_step_N.jsonl "
-    "only")
+arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems (or "
+    "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
+    "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
+    "task and sampling settings (its config.json), but for the flags given")
 arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
-    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing")
+    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
+    "run's settings as --eval-only does")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
 arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)")
 arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
@@ -1097,8 +1107,79 @@ IDLE_FLAGS = [
     ("optimizer", lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr"),
     ("lr", lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
      "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)"),
+    ("kl_estimator", lambda a: a.kl_placement == "reward", "the KL in the reward is each reply's summed k1 "
+     "(--kl-placement reward)"),
+    ("min_lr_frac", lambda a: a.lr_schedule == "constant", "--lr-schedule constant never decays"),
+    ("init_step", lambda a: a.init == "scratch", "--init scratch reads no checkpoint"),
+    ("model_tag", lambda a: a.init != "sft", "it picks --init sft's checkpoint"),
+    ("gsm8k_dir", lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)"),
+    ("sort_length", lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)"),
+    ("max_new_tokens", lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long"),
+    ("num_samples", lambda a: a.eval_only, "--eval-only samples --pass-k replies a problem"),
+    ("pass_k", lambda a: a.ask, "--ask samples --num-samples replies"),
+    ("threads", lambda a: on_gpu(a), "it sets a CPU run's threads, and the work is on the GPU"),
+    ("ref_offload", lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU"),
+    ("teacher_offload", lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU"),
+    ("shard_optimizer", lambda a: int(os.environ.get("WORLD_SIZE", "1")) == 1, "one process holds every weight"),
+    ("dist_timeout", lambda a: int(os.environ.get("WORLD_SIZE", "1")) == 1, "there is one process"),
+    ("compare_out", lambda a: not a.compare, "it is --compare's"),
 ] + [(name, lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
-     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "optimizer_version")]
+     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "optimizer_version")
+] + [(name, lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step "
+      "a sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
+      "inside any clip") for name in ("clip_eps", "clip_eps_high", "clip_ratio_c")
+] + [(name, lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-every 0: no evals")
+     for name in ("eval_examples", "final_eval_examples", "pass_k", "eval_max_new_tokens", "eval_task")
+] + [(name, lambda a: a.ask, "--ask answers one question") for name in ("eval_examples", "final_eval_examples")]
+
+
+def on_gpu(args):
+    return (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+
+
+# What an evaluation (--ask, --eval-only) of a checkpoint of this program reads from its run's config.json where no
+# flag says otherwise: the task the run trained and evaluated on (its data, grading, and --seed, which draws sort's
+# test problems) and how its replies were sampled. The other flags shaped weights that the checkpoint holds.
+EVALUATION_SETTINGS = ("task", "task_test", "grader", "calculator", "eval_task", "gsm8k_dir", "sort_length", "seed",
+                       "temperature", "top_k", "num_samples", "eval_max_new_tokens", "pass_k", "eval_examples",
+                       "final_eval_examples")
+# ...and what it never reads from the run, --resume or not: this machine's and this process's settings
+THIS_MACHINE = ("device", "dtype", "self_check", "dist_timeout", "runs_dir", "run_name")
+
+
+def evaluated_run(args, given):
+    """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
+    checkpoints' folder): the flags not given take the run's values from its config.json, the EVALUATION_SETTINGS
+    with --init and all but this machine's (SPREAD, THIS_MACHINE) with --resume, which rebuilds the run's start model
+    before it loads the checkpoint. -> (the config.json, {flag: (the run's value, the one given)} for the settings
+    given otherwise), or None: no run folder (another program's checkpoint), and the flags' own defaults."""
+    if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
+        return None
+    if args.resume:
+        run_dir = os.path.join(args.runs_dir, args.run_name)
+    else:  # <run>/chatrl_checkpoints/<tag>, or the run folder itself
+        folder = checkpoint_folder(args.init)
+        beside = os.path.basename(os.path.dirname(os.path.abspath(folder))) == "chatrl_checkpoints"
+        run_dir = os.path.normpath(os.path.join(folder, os.pardir, os.pardir)) if beside else args.init
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):  # (--resume says so itself, once it looks for the checkpoint)
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            run_config = json.load(f)
+        if not isinstance(run_config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        if args.resume:  # resume() names the file and the way on
+            return None
+        sys.exit(f"error: --init: cannot read the settings of the checkpoint's run from {path} ({e}): restore that "
+                 "file, or give the task and sampling flags and copy the checkpoint folder out of the run")
+    read = [k for k in run_config if k in vars(args) and k not in given and (
+        k in EVALUATION_SETTINGS or args.resume and k not in SPREAD + THIS_MACHINE)]
+    for k in read:
+        setattr(args, k, run_config[k])
+    return path, {k: (run_config[k], getattr(args, k)) for k in EVALUATION_SETTINGS
+                  if k in given and k in run_config and run_config[k] != getattr(args, k)}
 
 
 def resolve_config(argv=None):
@@ -1113,6 +1194,13 @@ def resolve_config(argv=None):
             parser.set_defaults(**defaults)
     else:
         args = parser.parse_args(argv)
+    given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
+             if word == flag or word.startswith(flag + "=")}
+    if args.run_name is None:
+        task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
+        prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
+        args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
+    args.run_settings = evaluated_run(args, given)
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -1137,10 +1225,13 @@ def resolve_config(argv=None):
     except (OSError, ValueError, GraderError) as e:
         sys.exit(f"error: {e}")
     args.eval_task = args.eval_task or []
-    given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
-             if word == flag or word.startswith(flag + "=")}
     args.notes = [f"--{dest.replace('_', '-')} does nothing here: {why}" for dest, idle, why in IDLE_FLAGS
                   if dest in given and idle(args)]
+    if args.eval_only and "eval_examples" in given:  # the count one reaches for first; --eval-only's is the final's
+        if "final_eval_examples" in given:
+            args.notes.append("--eval-examples does nothing here: --eval-only evaluates --final-eval-examples problems")
+        else:
+            args.final_eval_examples = args.eval_examples
     # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
     # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
     filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
@@ -1164,16 +1255,12 @@ def resolve_config(argv=None):
         args.lora_alpha = 2.0 * args.lora_rank
     if args.shard_optimizer is None:
         args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+    if not on_gpu(args):
         # on a GPU the memory plan fits them (fitted_plan); packed passes have rows a pass only when asked
         if args.pack and args.tokens_per_pass is None:
             args.tokens_per_pass = 4096
         if not args.pack and args.device_batch_size is None:
             args.device_batch_size = 8
-    if args.run_name is None:
-        task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
-        prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
-        args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
     check_config(args)
     return args
 
@@ -1555,18 +1642,22 @@ def on_device(module, device):
 def start_run(args, run_dir, rank, writes):
     """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
     False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
-    if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):  # before ranks meet
-        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
+    evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
     world_size, device, master, log, dtype, autocast = start_process(args, rank)
     train_task, test_task, watched = read_tasks(args)
+    if args.distill_coef > 0 and not evaluating:
+        teacher_checkpoint(args)
+    # after the inputs: a wrong path or --teacher says so whatever the run folder holds
+    if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     config = {k: v for k, v in vars(args).items()
-              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes")}
+              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
     config.update(world_size=world_size, semantics=sorted(SEMANTICS))
-    log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+    setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
+    setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
     for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
-        log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl") else
-                                                                   " (its test split)"))
-    evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
+        setup_log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl")
+                                                                         else " (its test split)"))
     static_pack = None
     if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
         longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
@@ -1576,8 +1667,8 @@ def start_run(args, run_dir, rank, writes):
         # a minibatch holds
         if args.compile and args.pack:
             static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
-    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype, log,
-                                                                        evaluating)
+    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
+                                                                        setup_log, evaluating)
     teacher = teacher_digest = None
     if args.distill_coef > 0 and not evaluating:
         teacher, teacher_digest = load_teacher(args, tokenizer, log)
@@ -1598,11 +1689,14 @@ def start_run(args, run_dir, rank, writes):
                           writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
-        log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
+        setup_log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
     if args.self_check if args.self_check is not None else device.type == "cuda":
         self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
-    for note in args.notes:  # after the configuration, the plan and the self-check: the last lines before the steps
+    # after the configuration, the plan and the self-check: the last lines before the steps (--ask's: after its first)
+    for note in args.notes if not args.ask else ():
         log(f"note: {note}")
+    if args.eval_only:
+        log(f"--eval-only: {evaluation_settings(args)}")
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
     run.wandb = None
@@ -1626,7 +1720,9 @@ def start_process(args, rank):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
-    log(thread_policy(args, device, world_size))
+    threads = thread_policy(args, device, world_size)
+    if not args.ask:  # its answer comes first
+        log(threads)
     if args.compile is None:  # a compile costs a minute or more: worth it on a GPU, not for the CPU's small runs
         args.compile = device.type == "cuda"
     # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
@@ -2387,8 +2483,9 @@ def lock_run_dir(run_dir):
 
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
-    False: the remedy changes an input --resume checks, so a new run starts from it). Rank 0 writes the checkpoints:
-    another rank does not know whether one is being written, and names none."""
+    False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
+    first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
+    not know whether one is being written, and names none."""
     rank = os.environ.get("RANK", "0")
     if rank != "0":
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
@@ -2403,11 +2500,38 @@ def stop_run(run_dir, problem, remedy, resume=True):
                                    f"(--init {checkpoint_dir}, another --run-name): --resume refuses changed inputs"))
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
+    if not resume and discard_unstarted(run_dir):
+        sys.exit(f"error: {problem}. The run stopped before its first step, and its files are removed: {then}run the "
+                 "command again")
     if not resume:
         sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}run the command again with another "
                  "--run-name (--resume refuses changed inputs)")
     sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
              "same command and --resume")
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tokenizer", "evals", ".lock")  # before any step
+
+
+def discard_unstarted(run_dir):
+    """A run stopped before its first training step (on a changed input: a user's grader or task that failed) holds
+    nothing a retry could use, and its folder would refuse the same command: its files go (the folder too, when
+    nothing else is in it). -> whether they went."""
+    try:
+        if any("reward" in m for m in read_step_log(os.path.join(run_dir, "metrics.jsonl"), lambda line: None)):
+            return False
+    except (OSError, ValueError):
+        return False
+    if not set(os.listdir(run_dir)) <= set(RUN_FILES):  # a checkpoint, or a file of the user's
+        return False
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    os.rmdir(run_dir)
+    return True
 
 
 def write_run_files(args, run):
@@ -2629,6 +2753,8 @@ NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_
                   "self_check", "save_on_stop")
 # ...and, when evaluating (--eval-only, --ask), the teacher's, which an evaluation never reads
 TEACHER_FLAGS = ("teacher", "teacher_step", "teacher_offload")
+# ...and how an evaluation samples (EVALUATION_SETTINGS), which --ask and --eval-only may change
+EVALUATION_SAMPLING = ("seed", "temperature", "top_k", "num_samples", "max_new_tokens")
 # ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
 STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
 # ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
@@ -2696,11 +2822,22 @@ def resume(args, run):
                      f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
                      f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
-    unread = TEACHER_FLAGS if args.eval_only or args.ask else ()  # an evaluation reads the policy alone
+    evaluating = bool(args.eval_only or args.ask)
+    # an evaluation reads the policy alone, and samples as it is told
+    unread = TEACHER_FLAGS + EVALUATION_SAMPLING + THIS_MACHINE if evaluating else ()
     differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics",
                                                                              "scores", "task_code")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY + unread)
     refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
+    if "num_steps" in refused and not evaluating:  # the schedule ends at the run's last step: more steps are a new run
+        steps, others = run_config.get("num_steps"), [k for k in refused if k != "num_steps"]
+        way = (f"to train further, start a new run from its newest checkpoint (a fresh optimizer state and schedule): "
+               f"--init {checkpoint_dir} --run-name <another> --num-steps <the steps to add>"
+               if isinstance(steps, int) and args.num_steps > steps else
+               f"resume with --num-steps {steps} and stop it where you like (a stop signal saves the step under way)")
+        sys.exit(f"error: --resume --num-steps {args.num_steps}: the run's schedule is {steps} steps (its learning "
+                 f"rate schedule ends there), and a resumed run keeps it; {way}"
+                 + (f"; the run's flags differ in {', '.join(others)} too" if others else ""))
     if refused:  # e.g. a default that changed since the run started (reinforce's aggregation): name the old value
         original = as_flags({k: run_config.get(k) for k in refused if k in vars(args)})
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
@@ -2718,7 +2855,7 @@ def resume(args, run):
     history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
     if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
         config["resumed_with"] = history
-    if set(changes) - {"semantics"}:
+    if set(changes) - {"semantics"} and not evaluating:  # (an evaluation's spread over memory is its own)
         run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()
                                                                    if k != "semantics")
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
@@ -2928,17 +3065,18 @@ def run_eval(args, run, step, num_examples):
     when a stop signal during the steps abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
     stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
+    label = "--eval-only" if args.eval_only else f"step {step} eval"
     try:
         result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                   run.world_size, run.autocast, stop)
+                                   run.world_size, run.autocast, stop, label)
         for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
             watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
-                                  run.autocast, stop)
+                                  run.autocast, stop, f"{label}, {name}")
             result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
         if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
             with on_device(run.teacher, run.device) if args.teacher_offload else nullcontext():
                 taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                     run.world_size, run.autocast, stop)
+                                     run.world_size, run.autocast, stop, f"{label}, the teacher")
             result.update({f"teacher_{k}": v for k, v in taught.items()})
     except Abandoned:
         run.log(f"step {step}: eval abandoned ({stop_name()}); --resume runs it")
@@ -2962,27 +3100,48 @@ def run_eval(args, run, step, num_examples):
 
 def policy_name(args, run):
     """The policy an evaluation reads, in words."""
-    return (f"the run's policy at step {run.start_step}" if args.resume else "random weights" if args.init ==
-            "scratch" else f"the policy of {run.model.start_checkpoint}")
+    return (f"the run's policy at step {run.start_step}" if args.resume else "random weights (--init scratch: an "
+            "untrained model; --init <run folder> evaluates a trained one)" if args.init == "scratch" else
+            f"the policy of {run.model.start_checkpoint}")
+
+
+def evaluation_settings(args):
+    """The task and sampling an evaluation runs with, and where they come from, in words."""
+    sampled = args.num_samples if args.ask else args.pass_k
+    problems = "" if args.ask else (f"{'all' if args.final_eval_examples < 0 else args.final_eval_examples} test "
+                                    "problems of ")
+    settings = (f"{problems}task {args.task}, greedy" + (f" and {sampled} sampled replies (--temperature "
+                                                        f"{args.temperature} --top-k {args.top_k})" if sampled else "")
+                + f" up to {args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
+    if args.run_settings is None:
+        return settings + ": the flags'" + ("" if args.init == "scratch" else " (no run folder of this program around "
+                                            "the checkpoint)")
+    path, unlike = args.run_settings
+    return settings + f": the run's ({path})" + "".join(
+        f"; --{k.replace('_', '-')} {here} given here, the run's {then}" for k, (then, here) in unlike.items())
 
 
 def ask(args, run):
     """--ask: the start policy's replies to one question, greedy then --num-samples sampled at --temperature, each
-    with the task's grade when the question is one of the task's problems. -> [(reply, reward or None)]."""
+    with the task's grade when the question is one of the task's problems; its first lines name the policy and the
+    settings. -> [(reply, reward or None)]."""
     task = run.train_task
 
     def question(problem):
         return next(m["content"] for m in reversed(problem["messages"]) if m["role"] == "user").strip()
     known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
                   if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
+    run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
+                                                    f"not one of the task's problems ({args.task}): no grade"))
+    run.log(f"--ask: {evaluation_settings(args)}")
+    for note in args.notes:
+        run.log(f"note: {note}")
     prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})
     with run.autocast:
         greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
                           tool=task.tool)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
                            args.temperature, args.top_k, seed=args.seed, tool=task.tool)
-    run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
-                                                    f"not one of the task's problems ({args.task}): no grade"))
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:
@@ -3008,16 +3167,18 @@ EVAL_BATCH = 32  # problems sampled in one generate call
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None):
+def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None, label="eval"):
     """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
     samples, replies up to --eval-max-new-tokens long. Rank r takes problems r, r + world_size, ...; the sums are
     reduced over ranks. stop: called by every rank before each batch (as many on each: rank 0's count), raises
-    Abandoned when it says so. -> (the metrics, this rank's greedy replies with their verdicts)"""
+    Abandoned when it says so. label: what the progress lines call it. -> (the metrics, this rank's greedy replies
+    with their verdicts)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
     replies, start, chunk = [], time.time(), EVAL_BATCH
+    shown = [None]  # the last progress line's time
     for i in range(0, -(-n // world_size), chunk):
         if stop is not None and stop():
             raise Abandoned
@@ -3042,7 +3203,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
                               for g in range(args.pass_k))
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])
-        progress("eval", min(i + chunk, len(mine)), len(mine), start)
+        progress(label, min(i + chunk, len(mine)), len(mine), start, shown)
     totals = all_reduce(totals)
     count = totals[0].clamp(min=1)
     result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item()}
@@ -3051,13 +3212,23 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
     return result, replies
 
 
-def progress(label, done, total, start):
-    """Progress with time left, redrawn in place on a terminal; silent in log files."""
-    if sys.stdout.isatty() and int(os.environ.get("RANK", "0")) == 0:
-        elapsed = time.time() - start
-        left = elapsed / done * (total - done) if done else 0
-        print(f"\r{label}: {done}/{total} ({elapsed:.0f}s, ~{left:.0f}s left)", end="" if done < total else "\n",
-              flush=True)
+PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's line is redrawn at every batch)
+
+
+def progress(label, done, total, start, shown):
+    """Progress with time left, on rank 0: redrawn in place on a terminal; in a log file a line after the first
+    batch, then one every PROGRESS_SECONDS, none at the end (the result's line follows). shown: [the time of the
+    last line, None before the first] -> updated."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    now = time.time()
+    elapsed = now - start
+    line = f"{label}: {done}/{total} problems ({elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left)"
+    if sys.stdout.isatty():
+        print(f"\r{line}", end="" if done < total else "\n", flush=True)
+    elif done < total and (shown[0] is None or now - shown[0] >= PROGRESS_SECONDS):
+        print(line, flush=True)
+        shown[0] = now
 
 
 # -----------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import glob
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -124,6 +126,28 @@ def test_no_prose_line_of_the_readme_is_over_120_characters():
 def test_help_shows_each_flags_own_default():
     text = grpo.parser.format_help()
     assert "replies per question (the group size G) (default: 16)" in text and "(default: None)" not in text
+
+
+def words(text):
+    """The help's text, whatever the width it was laid out in (a terminal's, a Python version's): argparse breaks
+    lines at spaces and after hyphens."""
+    return "".join(text.split())
+
+
+def test_the_flags_text_is_what_help_prints():
+    # `python grpo.py --help` prints docs/flags.txt before torch loads: it must be the parser's own text
+    with open(os.path.join(ROOT, "docs", "flags.txt"), encoding="utf-8") as f:
+        assert words(f.read()) == words(grpo.parser.format_help()), (
+            "docs/flags.txt is not --help's text: write it anew with COLUMNS=102 python -c \"import grpo; "
+            "open('docs/flags.txt', 'w').write(grpo.parser.format_help())\"")
+
+
+def test_help_prints_the_flags_without_importing_torch():
+    done = subprocess.run([sys.executable, "-X", "importtime", "grpo.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    assert done.returncode == 0 and words(done.stdout) == words(grpo.parser.format_help())
+    assert imported and not any(name.split(".")[0] == "torch" for name in imported)
 
 
 def help_of(flag):

@@ -576,9 +576,11 @@ def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name
     assert message.startswith(f"error: --grader ") and f".{name} on the reply " in message and said in message, message
     raised = name in ("raises", "exits", "stops")  # where: the file, line and function it raised in
     assert "\n" not in message and (f", in {name})" in message if raised else "return a finite number" in message)
-    # the run wrote its config, and a changed grader does not resume it: a new run
-    assert message.endswith("No checkpoint of this run was saved: fix the function, then run the command again "
-                            "with another --run-name (--resume refuses changed inputs)"), message
+    # a changed grader does not resume a run (its sha256 is an input), and the run stopped before its first step:
+    # its folder goes, so that the same command runs again
+    assert message.endswith("The run stopped before its first step, and its files are removed: fix the function, "
+                            "then run the command again"), message
+    assert not (tmp_path / "runs" / name).exists()
 
 
 NUMPY_GRADERS = """
