@@ -1070,8 +1070,8 @@ def stop_at_step_end(signum, frame):
         return stop_signal(signum, frame)
     if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
         second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
-        os.write(2, f"{name}: the step under way finishes and is saved, before any eval, then the run stops "
-                    f"({second} stops it at once)\n".encode())
+        os.write(2, f"{name}: the run stops: a step under way is finished and saved first, an eval is left at the end "
+                    f"of its batch for --resume to run ({second} stops it at once)\n".encode())
 
 
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.

@@ -1084,8 +1084,8 @@ def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=N
     state = load_tensors(model_path, mmap=shapes_only)  # mapped: names and shapes, no tensor read
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                               for k, v in state.items()):
-        raise CheckpointFileError(model_path, f"{model_path} holds no state dict (names -> tensors): is it a nanochat "
-                                  "model file?")
+        raise CheckpointFileError(model_path, f"{model_path} holds no state dict (names -> tensors): not a nanochat "
+                                  "model file")
     # Our own checkpoints name their generation, which settles what the files alone cannot.
     try:
         with torch.device("meta") if shapes_only else nullcontext():

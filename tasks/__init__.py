@@ -130,7 +130,8 @@ def user_call(where, fn, *args, passes=()):
         if isinstance(e, SystemExit):  # it would end a run with no error line and no checkpoint
             raise GraderError(f"{where} called sys.exit({shown(e.code)}){at}: it must return, never end the "
                               "process") from None
-        raise GraderError(f"{where} raised {type(e).__name__}: {shown(e, str, 200)}{at}") from None
+        said = f": {shown(e, str, 200)}" if str(e) else ""  # MemoryError() says nothing
+        raise GraderError(f"{where} raised {type(e).__name__}{said}{at}") from None
 
 
 def conversation_problem(conversation):

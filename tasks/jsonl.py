@@ -190,15 +190,14 @@ OWN_GRADE_FORMS = ("a finite number (the reward: 1 for a correct reply, 0 for on
                    "(correct and format optional)")
 
 
-def own_grade(fn, conversation, reply):
-    """fn(question, reply, answer) -> (reward, correct, format). fn returns the reward (a number), the pair (reward,
+def own_grade(spec, fn, conversation, reply):
+    """fn(question, reply, answer) -> (reward, correct, format); spec: --grader's value, which names it. fn returns the reward (a number), the pair (reward,
     format), or a dict {"reward", "correct", "format"}; numpy's scalars too. Unless the dict says, a reply is correct
     when its reward is 1 or more: partial credit (0.8 for a near miss) is a reward, never a correct reply. Anything
     else, or an exception or a sys.exit, is a GraderError: every reply needs a finite reward (there is no "not
     applicable": a group's advantages compare all of its replies)."""
     question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
-    name = f"{getattr(fn, '__module__', None)}.{getattr(fn, '__name__', type(fn).__name__)}"
-    where = f"--grader {name} on the reply {reply[:60]!r} to {question[:60]!r}"
+    where = f"--grader {spec} on the reply {reply[:60]!r} to {question[:60]!r}"
     result = user_call(where, fn, question, reply, conversation["answer"])
     if isinstance(result, (tuple, list)):
         fields = dict(zip(("reward", "format"), result)) if len(result) == 2 else {}
@@ -306,7 +305,7 @@ class JSONLTask(Task):
     def __init__(self, path, split="train", grader="number", test_path=None, tool=False):
         if split not in ("train", "test"):
             raise ValueError(f"a task's split is train or test, got {split!r}")
-        self.own_grader = None if grader in GRADERS else grader_function(grader)
+        self.own_grader = None if grader in GRADERS else (grader, grader_function(grader))  # (--grader's spec, fn)
         self.paths = [path] + ([test_path] if test_path else [])
         problems = read_problems(path if split == "train" or not test_path else test_path, grader)
         if not test_path:
@@ -345,7 +344,7 @@ class JSONLTask(Task):
         if conversation["grader"] in GRADERS:
             correct, form = grade(conversation["grader"], reply_text, conversation["answer"], conversation["choices"])
             return float(correct), correct, float(form)
-        return own_grade(self.own_grader, conversation, reply_text)
+        return own_grade(*self.own_grader, conversation, reply_text)
 
     def evaluate(self, conversation, reply_text):
         return self.graded(conversation, reply_text)[1]

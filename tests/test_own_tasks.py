@@ -573,7 +573,7 @@ def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name
         grpo.main(base_flags(tmp_path, name, "--task", path, "--grader", f"{tmp_path / 'graders.py'}:{name}",
                              "--eval-every", "0", "--num-steps", "1"))
     message = str(stop.value.code)
-    assert message.startswith(f"error: --grader ") and f".{name} on the reply " in message and said in message, message
+    assert message.startswith(f"error: --grader ") and f":{name} on the reply " in message and said in message, message
     raised = name in ("raises", "exits", "stops")  # where: the file, line and function it raised in
     assert "\n" not in message and (f", in {name})" in message if raised else "return a finite number" in message)
     # a changed grader does not resume a run (its sha256 is an input), and the run stopped before its first step:
@@ -679,7 +679,7 @@ def test_a_python_task_without_eval_metrics_logs_the_share_of_correct_replies(tm
         '    def eval_metrics(self, conversation, reply_text):\n        return {"exact": self.reward(conversation, '
         'reply_text)}\n', ""))
     spec = f"{tmp_path / 'own.py'}:Reverse"
-    task = OwnTask(task_class(spec)("test"), spec)
+    task = OwnTask(task_class(spec)("test"), spec, "test")
     problem = task[0]
     answer = problem["messages"][-1]["content"]
     assert task.eval_metrics(problem, answer) == {"correct": 1.0} and task.evaluate(problem, answer)
@@ -699,7 +699,7 @@ def grade(question, reply, answer):
         grpo.main(base_flags(tmp_path, "late", "--task", path, "--grader", f"{tmp_path / 'late.py'}:grade",
                              "--eval-every", "0", "--num-steps", "3", "--save-every", "1"))
     message = str(stop.value.code)  # a message, not 0: the process exits with status 1
-    assert message.startswith("error: --grader ") and ".grade on the reply " in message and "\n" not in message
+    assert message.startswith("error: --grader ") and "late.py:grade on the reply " in message and "\n" not in message
     assert "called sys.exit(0) (late.py line 4, in grade)" in message, message
     [checkpoint_dir] = checkpoints.iterdir()
     assert grpo.complete_steps(str(checkpoint_dir)) == [1]
@@ -716,7 +716,7 @@ def interrupted(question, reply, answer):
     time.sleep(5)
 """)
     # the function's own BaseException is its error; a stop signal is the run's stop, with the stop's line
-    for name, said in (("stops", "error: --grader nanogrpo_task_graders.stops on the reply "),
+    for name, said in (("stops", f"error: --grader {tmp_path / 'graders.py'}:stops on the reply "),
                        ("interrupted", "error: stopped by SIGINT")):
         with pytest.raises(SystemExit) as stop:
             grpo.main(base_flags(tmp_path, name, "--task", path, "--grader", f"{tmp_path / 'graders.py'}:{name}",
