@@ -13,18 +13,21 @@ Graders, each reading the reply's answer and comparing it with the line's answer
   A minus is a sign only where a number starts (not right after a digit or letter: "10-5" reads 10 and 5); the
   Unicode minus and the en and figure dashes are minus signs; full-width digits read as ASCII, superscripts as no
   digit ("12 m²" reads 12); thousands separators (commas, spaces) count only in groups of three; exponents count
-  ("1.5e-3"); "1 1/2", "1 ½" (any space before the fraction) and "1½" read 3/2; "$" before and "%" after a number
+  ("1.5e-3"); "1 1/2", "1 ½" (any whitespace but a line break before the fraction) and "1½" read 3/2, "1,000 1/2"
+  2001/2; "$" before and "%" after a number
   are ignored ("50%" reads 50); a number past 4,300 digits or with an exponent past 4 digits is none. An answer
   must read as one number;
 - exact: the reply, trimmed and case-folded, equals the answer trimmed and case-folded;
 - choice: the letter the reply commits to equals the answer's letter (the answer is a letter, "(B)", or the text
-  of one choice). A reply commits by its first statement ("Answer: B", "**Answer:** b", "the correct option is B",
-  "B is correct", "I pick B") or an opening letter ("B. A is smaller.", "Option B."), whatever letters its
-  explanation names after it (also to a letter past the choices: wrong); else by its last "(B)" or "**B**"; else by
-  the text of one choice as the whole reply; else by its last capital letter standing alone that it neither denies
-  ("not A", "A is wrong") nor offers as one of alternatives ("B or C"). "A" and "I" followed by a word are words,
-  not letters (but "the answer is A because", "A is right"); a lower-case letter counts only standing alone after
-  "answer" ("answer: b").
+  of one choice). A reply commits by its first statement ("Answer: B", "**Answer:** b", "Answer - B", "the correct
+  option is B", "B is correct", "I pick B", "I'd say B"; not "the answer is B or C") or an opening letter and a stop
+  ("B. A is smaller.", "B, since A ...", "B: 9. A: 3.", "Option B (9)."), whatever letters its explanation names
+  after it (also to a letter past the choices: wrong); else by its last "(B)" or "**B**"; else by the text of one
+  choice as the whole reply; else by a lone letter as the whole reply ("b", "(b)", "d."); else by its last capital
+  letter standing alone that it neither denies ("not A", "A is wrong") nor offers as one of alternatives ("B or
+  C"). "A" and "I" followed by a word are words, not letters (but "the answer is A because", "A is right"); a
+  lower-case letter counts after "answer" standing alone ("answer: b") or before a word where it is no article
+  ("answer is b because").
 --grader path/to/file.py:fn (or module:fn) grades every line that names no grader with your function,
 fn(question, reply, answer) -> a finite number (the reward; correct when 1 or more), a pair (reward, format), or a
 dict {"reward": ..., "correct": True/False, "format": ...} (correct and format optional) where partial credit needs
@@ -47,35 +50,46 @@ GRADERS = ("number", "exact", "choice")
 HELD_OUT_EVERY = 10
 # A number: a sign only where it starts (not after a digit, letter or point), an optional "$", digits with commas or
 # spaces only in proper groups of three, an optional decimal part and exponent, and an optional "/ denominator" (a
-# rational), before which a whole number and spaces make a mixed number ("1 1/2"; plain() turns the no-break and thin
-# spaces into plain ones, and "1 ½" into "1  1/2").
+# rational), before which a whole number ("1", "1,000", "1 000") and any whitespace but a line break make a mixed
+# number ("1 1/2", "1,000\t1/2"; plain() turns the no-break and thin spaces into plain ones, and "1 ½" into
+# "1  1/2").
 SPACES = " \u00a0\u2009\u202f"  # a space, a no-break, thin or narrow no-break space
 GROUP = f"[,{SPACES}]"  # what may stand between groups of three digits
+WHOLE = rf"\d{{1,3}}(?:,\d{{3}})+|\d{{1,3}}(?:[{SPACES}]\d{{3}})+|\d+"
 UNSIGNED = rf"(?:(?:\d{{1,3}}(?:,\d{{3}})+(?!\d)|\d{{1,3}}(?:[{SPACES}]\d{{3}})+(?![\d/])|\d+)(?:\.\d+)?|\.\d+)" \
            r"(?:[eE][-+]?\d+(?!\w))?"
-NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?(?:(\d+) +(?=\d+\s?/\s?\d))?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
+IN_LINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"  # whitespace that str.splitlines() does not break at
+NUMBER = rf"((?<![\w.])-)?(?:\$\s?)?(?:({WHOLE}){IN_LINE_SPACE}+(?=\d+\s?/\s?\d))?({UNSIGNED})(?:\s?/\s?({UNSIGNED}))?"
 MARKED_NUMBER = re.compile(r"####\s*\$?\s*" + NUMBER)
 ANY_NUMBER = re.compile(NUMBER)
-# A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick"; but "A is right" is the
-# letter), and not inside a word.
-LETTER = r"(?!(?:A|I)\s+(?!(?:is|was)\b)[a-z])\b([A-Z])\b"
+# A capital letter that is a letter, not the word "A" or "I" ("A good guess", "I pick", "I'd"; but "A is right" is
+# the letter), and not inside a word.
+LETTER = r"(?!(?:A|I)\s+(?!(?:is|was)\b)[a-z]|I['\u2019])\b([A-Z])\b"
 BOLD = r"(?:\*\*)?"
 # After "answer" or "I pick", "A" is the letter whatever follows ("The answer is A because ..."), "I" before a word is
-# the pronoun, and a lower-case letter counts where it stands alone ("answer: b", not "the answer is a guess").
-ANSWERED = rf"\(?(?:(?!I\s+[a-z])\b([A-Z])\b|\b([a-z])(?=\)?{BOLD}[ \t]*(?:$|[\n.,;:!?])))"
+# the pronoun, and a lower-case letter counts where it stands alone ("answer: b", not "the answer is a guess"), or
+# before a word where it cannot be the article or the pronoun ("answer is b because ...").
+ANSWERED = rf"\(?(?:(?!I\s+[a-z]|I['\u2019])\b([A-Z])\b|\b([a-z])(?=\)?{BOLD}[ \t]*(?:$|[\n.,;:!?]))" \
+           r"|\b([b-hj-z])(?=[ \t]+[a-z]))"
 # The ways a reply commits to a letter in so many words; the first commitment wins over the letters of the
 # explanation that follows ("**Answer:** B. A is smaller.", "B is correct because A is too small.").
 COMMITMENTS = [
-    re.compile(rf"\b(?i:answer|option|choice){BOLD}\s*(?i:is|:|=|would be|should be|must be)\s*:?\s*{BOLD}\s*"
-               rf"(?:(?i:option|choice)\s+)?{ANSWERED}"),  # "the answer is B", "**Answer:** B", "answer: b"
+    re.compile(rf"\b(?i:answer|option|choice){BOLD}\s*(?i:is|:|=|would be|should be|must be|[-\u2013\u2014])"
+               rf"\s*:?\s*{BOLD}\s*(?:(?i:option|choice)\s+)?{ANSWERED}"),  # "the answer is B", "answer: b"
     re.compile(rf"{BOLD}\(?{LETTER}\)?{BOLD}\s+is\s+(?:the\s+)?(?:(?:correct|right|best)(?![\w-])|answer\b)"),
     re.compile(rf"\bI(?:'d|'ll| would| will)?\s+(?:pick|choose|select|go with)\s+(?:(?:option|choice)\s+)?{BOLD}"
-               rf"{ANSWERED}")]
-# A reply that opens with a bare letter commits to it ("B. A is smaller.", "Option B.", "**B**\nbecause ..."), unless
-# a number follows ("B. 9 is the largest") or its lines list the choices ("A. 3\nB. 9").
+               rf"{ANSWERED}"),
+    re.compile(rf"\bI(?:'d| would)\s+say\s+{BOLD}\(?{LETTER}")]  # "I'd say B", not "I'd say a word"
+# A reply that opens with a letter and a stop commits to it ("B. A is smaller.", "B, since A ...", "B: 9. A: 3.",
+# "Option B (9). ...", "**B**\nbecause ..."); not a letter before a word ("A is smaller than B"), nor one of letters
+# ("A, B and C are ...", "A: B"), nor where the reply lists the choices: its lines do ("A. 3\nB. 9"), or it opens
+# with the first choice and its value ("A. 3 is less than 9, so B": a list, or the first choice quoted, starts at A).
+STOP = r"[ \t]*(?:$|\n|[.!;](?!\S)|(?:[:\u2013\u2014-](?!\S)|,)(?!\s*\(?[A-Z]\b))"
 OPENING = re.compile(rf"\s*{BOLD}(?:(?i:option|choice|answer)\s+)?{BOLD}\(?{LETTER}\)?{BOLD}"
-                     r"(?=[ \t]*(?:$|\n|[.!](?!\S)(?![ \t]*\d)))")
+                     rf"(?=(?:[ \t]*\((?![ \t]*[A-Z]\))[^()\n]{{0,40}}\))?{STOP})")
+FIRST_CHOICE_QUOTED = re.compile(r"A\)?(?:\*\*)?[ \t]*[.:;,)\u2013\u2014-]?[ \t]*\(?[-$]?\d")
 LISTED = re.compile(r"^[ \t]*\(?([A-Z])[.)]", re.M)
+LONE_LETTER = re.compile(r"\s*(?:\*\*)?\(?([a-z])\)?(?:\*\*)?\.?\s*")  # "b", "(b)", "d.": the whole reply
 MARKED_LETTER = re.compile(r"\(" + LETTER + r"\)|\*\*\(?" + LETTER + r"\)?\*\*")  # "(B)", "**B**": the last one
 STANDALONE_LETTER = re.compile(LETTER)
 # A letter named but not chosen: denied ("not A", "A is wrong") or one of alternatives ("B or C", "B/C").
@@ -116,7 +130,8 @@ def number_of(match):
             return None
         value /= below
         if whole is not None and value < 1:
-            value += int(whole)
+            whole = rational(whole)
+            value = None if whole is None else value + whole
     return None if value is None else -value if sign else value
 
 
@@ -130,13 +145,19 @@ def rational(text):
 
 def read_letter(text, choices):
     """The letter a reply commits to, among the first len(choices) letters; None when it commits to none. In turn:
-    its first commitment in words or an opening letter; the last letter in brackets or bold; the text of one choice
-    as the whole reply; the last capital letter standing alone that is not denied or one of alternatives. A letter
+    its first commitment in words (not to alternatives) or an opening letter; the last letter in brackets or bold;
+    the text of one choice as the whole reply; one letter as the whole reply ("b"); the last capital letter
+    standing alone that is not denied or one of alternatives. A letter
     committed to in words or marked is the answer also when it is past the choices (wrong)."""
     letters = [chr(ord("A") + i) for i in range(len(choices))]
-    said = [(m.start(), next(g for g in m.groups() if g).upper()) for rule in COMMITMENTS for m in rule.finditer(text)]
+    said = []
+    for m in (m for rule in COMMITMENTS for m in rule.finditer(text)):
+        letter = next(i for i in range(1, len(m.groups()) + 1) if m.group(i))
+        if not NOT_CHOSEN_AFTER.match(text, m.end(letter)):  # "the answer is B or C" commits to neither
+            said.append((m.start(), m.group(letter).upper()))
     opening = OPENING.match(text)
-    if opening and opening.group(1) in letters and len(set(LISTED.findall(text))) < 2:
+    if opening and opening.group(1) in letters and len(set(LISTED.findall(text))) < 2 and not \
+            FIRST_CHOICE_QUOTED.match(text, opening.start(1)):
         said.append((0, opening.group(1)))
     if said:
         return min(said)[1]
@@ -147,6 +168,9 @@ def read_letter(text, choices):
     named = [i for i, c in enumerate(choices) if c.strip().casefold() == whole]
     if named:
         return letters[named[0]]
+    lone = LONE_LETTER.fullmatch(text)
+    if lone and lone.group(1).upper() in letters:
+        return lone.group(1).upper()
     chosen = [m.group(1) for m in STANDALONE_LETTER.finditer(text) if m.group(1) in letters and not (
         NOT_CHOSEN_BEFORE.search(text, max(0, m.start() - 16), m.start()) or NOT_CHOSEN_AFTER.match(text, m.end()))]
     return chosen[-1] if chosen else None

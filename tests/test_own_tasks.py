@@ -80,6 +80,26 @@ def test_a_choice_reply_is_read_by_its_first_commitment(reply, letter):
     assert read_letter(reply, CHOICES) == letter
 
 
+FOUR = ["3", "9", "5", "7"]  # which is largest? B
+
+
+@pytest.mark.parametrize("reply,letter", [
+    # an opening letter and a stop (",", ":", ";", a bracketed value) commits, whatever the explanation names after
+    ("B, since A is too small.", "B"), ("B. 9 is larger than A's 3.", "B"), ("B: 9. A: 3.", "B"), ("B; A is 3.", "B"),
+    ("Option B (9). Option D is 7.", "B"),
+    # in words: a dash after "answer", "I'd say", a lower-case letter before a word after "answer"
+    ("Answer \u2014 B. A is less.", "B"), ("I'd say B. Option A is 3.", "B"), ("I would say D. C is 5.", "D"),
+    ("answer is b because a is smaller", "B"), ("The answer \u2013 c, since a is 3", "C"),
+    # a reply that is one lower-case letter is that choice
+    ("b", "B"), ("a", "A"), ("(b)", "B"), ("d.", "D"), ("**c**", "C"),
+    # and the other way: a commitment to alternatives commits to none; "I'd" is the pronoun, never the letter I
+    ("The answer is B or C.", None), ("I'd go with B or C.", None), ("Answer: B/C", None),
+    ("Answer: I'd say so.", None),
+])
+def test_a_choice_reply_reads_as_a_reader_reads_it(reply, letter):
+    assert read_letter(reply, FOUR) == letter
+
+
 @pytest.mark.parametrize("reply", [
     "A good guess is 5", "A or B, I cannot tell.", "Either B or C.", "B/C", "The answer is not A.",
     "Option A is wrong.", "The answer is a guess.", "I am not sure: a cat cannot be green.", "Not A, nor B.",
@@ -90,9 +110,12 @@ def test_a_reply_that_names_letters_without_choosing_one_commits_to_none(reply):
 
 def test_a_mixed_number_reads_whole_with_any_space_before_the_fraction():
     # plain, no-break (U+00A0), thin (U+2009) and narrow no-break (U+202F) spaces, one or two, before "½" or "1/2"
-    for space in (" ", "\u00a0", "\u2009", "\u202f", "  "):
+    for space in (" ", "\u00a0", "\u2009", "\u202f", "  ", "\t", " \t"):
         assert read_number(f"#### 1{space}\u00bd") == read_number(f"it is 1{space}1/2 cups") == Fraction(3, 2), space
     assert grade("number", "#### 2 \u00be", "2.75", []) == (True, False)
+    # a whole part grouped in thousands is a whole part too, marked or not
+    assert read_number("1,000 1/2") == read_number("#### 1,000 1/2") == read_number("1 000\t1/2") == Fraction(2001, 2)
+    assert read_number("12,345 3/4") == Fraction(49383, 4) and read_number("-1,000 \u00bd") == Fraction(-2001, 2)
     # not a mixed number: a line between them, or an improper fraction (the whole part is a separate number)
     assert read_number("step 1\n\u00bd") == Fraction(1, 2) and read_number("3 4/2") == 2
 
@@ -100,6 +123,7 @@ def test_a_mixed_number_reads_whole_with_any_space_before_the_fraction():
 def test_a_number_too_long_to_read_is_no_number_in_a_reply_and_one_line_in_a_file(tmp_path):
     digits = "9" * 5000  # past the 4,300 digits Python's int reads from text
     assert grade("number", f"#### {digits}", "7", [])[0] is False and read_number(f"so {digits}") is None
+    assert read_number(f"{digits} 1/2") is None  # as the whole part of a mixed number too
     # an exponent past 4 digits would build an int of gigabytes ("1e999999999"): no number either
     assert read_number("#### 1e100000") is None and read_number("#### 1e9999") == 10 ** 9999
     path = write_jsonl(tmp_path / "big.jsonl", [f'{{"question": "q", "answer": {digits}}}'] * 2)
