@@ -216,10 +216,10 @@ OWN_GRADE_FORMS = ("a finite number (the reward: 1 for a correct reply, 0 for on
 
 def own_grade(spec, fn, conversation, reply):
     """fn(question, reply, answer) -> (reward, correct, format); spec: --grader's value, which names it. fn returns
-    the reward (a number), the pair (reward, format), or a dict {"reward", "correct", "format"}; numpy's scalars too. Unless the dict says, a reply is correct
-    when its reward is 1 or more: partial credit (0.8 for a near miss) is a reward, never a correct reply. Anything
-    else, or an exception or a sys.exit, is a GraderError: every reply needs a finite reward (there is no "not
-    applicable": a group's advantages compare all of its replies)."""
+    the reward (a number), the pair (reward, format), or a dict {"reward", "correct", "format"}; numpy's scalars
+    too. Unless the dict says, a reply is correct when its reward is 1 or more: partial credit (0.8 for a near miss)
+    is a reward, never a correct reply. Anything else, or an exception or a sys.exit, is a GraderError: every reply
+    needs a finite reward (there is no "not applicable": a group's advantages compare all of its replies)."""
     question = next(m["content"] for m in reversed(conversation["messages"][:-1]) if m["role"] == "user")
     where = f"--grader {spec} on the reply {reply[:60]!r} to {question[:60]!r}"
     result = user_call(where, fn, question, reply, conversation["answer"])
