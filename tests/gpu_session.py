@@ -28,6 +28,12 @@ A part is skipped, with a row saying so, when its expected seconds exceed what i
 fails writes its error's line and the next part runs. --smoke runs every part on the CPU at tiny shapes: eager
 (compiling on a CPU takes minutes: 6c is skipped), the flash kernels through their strict stand-ins
 (tests/kernels.py), the main command in float32 with --self-check.
+
+The budget's clock starts with the process (before torch's import), so --budget-s counts the imports and CUDA's
+start too (STARTUP in the plan). What it cannot cut: a part in this process that runs past its expected seconds
+runs on (a compile or a kernel is not stopped half-way; parts 1 and 2, processes of their own, are stopped at the
+budget's end). The 60 s between --budget-s 540 and the device tool's 600 s limit are the margin for that overrun
+and the interpreter's exit.
 """
 import argparse
 import datetime
@@ -44,6 +50,8 @@ import traceback
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+STARTED = time.monotonic()  # the budget's clock, before torch's import and the benches' (seconds; the standard
+# library's above take milliseconds)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path[:0] = [ROOT, TESTS]
@@ -64,28 +72,31 @@ CARRIED = (GSM8K, FIXTURE, os.path.join(NANOCHAT, "nanochat"), os.path.join(NANO
 SHARED = os.path.join(ROOT, "..", "shared")
 PREPARED = os.path.join(ROOT, ".gpu")  # where --prepare lays it out by default: ignored, carried
 
-# Each part: id, what, expected seconds on one H100 or H200, on the 2-core CPU with --smoke, and where the GPU
-# number comes from (docs/performance.md: H100 of 2026-11-24, H200 of 2026-11-26; "estimate" where none was
-# measured). Parts 1 and 2 run beside 3a; the rest one after another.
+# Each part: id, what, expected seconds on one H100 or H200, on the 2-core CPU with --smoke (beside other work,
+# 2026-11-27: parts 1 and 2 are processes importing torch beside this one), and where the GPU number comes from
+# (docs/performance.md: H100 of 2026-11-24, H200 of 2026-11-26; "estimate" where none was measured). Parts 1 and 2
+# run beside 3a; the rest one after another.
 PLAN = [
-    ("1", "the suite's CUDA tests", 90, 6, "6 passed in 85-89 s (H200, 2026-11-26); the 2 added since are eager"),
-    ("2", "the main command on a fixture, 2 steps", 150, 12,
+    ("1", "the suite's CUDA tests", 90, 20, "6 passed in 85-89 s (H200, 2026-11-26); the 2 added since are eager"),
+    ("2", "the main command on a fixture, 2 steps", 150, 25,
      "estimate: grpo.py's start and its self-check's compile at d4 (136 s at d20: H200, 2026-11-26), 2 steps"),
     ("3a", "d20 models, the decode step compiled", 100, 1,
      "compiling the decode step 86 s (H100, 2026-11-24; 59 s H200, 2026-11-26), building the models"),
     ("3b", "rollouts at d20 and nanochat's Engine", 40, 3,
      "a call 2.1 s full length (H100, 2026-11-24); the Engine's 4 questions an estimate (~25 s)"),
-    ("4", "the compiled d20 update, grpo and reinforce", 190, 3,
+    ("4", "the compiled d20 update, grpo and reinforce", 190, 12,
      "compiling grpo 138 s, a step 4.3 s; reinforce with the compile warm 13 s, 2.9 s (H200, 2026-11-26)"),
     ("5a", "nanochat's chat_rl update beside ours", 55, 2,
      "estimate: nanochat's eager loop and its optimizer's compile; ours reuses 4's compiled pass"),
     ("5b", "nanochat's base_train step", 100, 2,
      "estimate: like compiling our reinforce update (75 s, H200, 2026-11-26), then 4 steps of 65,536 tokens"),
     ("6a", "the d20 self-check, eager", 15, 1, "8.0 s (H200, 2026-11-26)"),
-    ("6b", "the other decode modes, one prompt a call", 40, 2,
+    ("6b", "the other decode modes, one prompt a call", 40, 1,
      "graph / static / dynamic 2.1 / 4.9 / 5.2 s a call, one prompt a call 12.5 s (H100, 2026-11-24), warm-ups"),
     ("6c", "the d20 self-check, compiled", 140, 0, "135.8 s with its compile (H200, 2026-11-26)"),
 ]
+STARTUP = (5, 6, "estimate: importing torch, dynamo (through nanochat's code) and the benches 3-4 s on the CPU, "
+           "CUDA's start; the header's startup_s measures it")  # before the first part: GPU, --smoke seconds
 WHAT = {part: what for part, what, *_ in PLAN}
 BACKGROUND = ("1", "2")  # processes of their own, beside 3a; every later part waits for them, so nothing is timed
 # beside them
@@ -96,14 +107,15 @@ def expected(part, smoke):
 
 
 def timeline(budget, smoke, parts=WHAT):
-    """-> [(part, expected seconds, its end, whether it fits)] if each part takes its expected seconds: 1 and 2 from
-    the start beside 3a, each later part after them and after the part before it. A part that would end past the
-    budget does not fit (at run time it is skipped where what is left of the budget is short of its seconds)."""
-    rows, background, clock = [], 0, 0
+    """-> [(part, expected seconds, its end, whether it fits)] if each part takes its expected seconds: 1 and 2 from the
+    start-up's end beside 3a, each later part after them and after the part before it. A part that would end past
+    the budget does not fit (at run time it is skipped where what is left of the budget is short of its seconds)."""
+    rows, start = [], STARTUP[1 if smoke else 0]
+    background = clock = start
     for part in (p for p, *_ in PLAN if p in parts):
         seconds = expected(part, smoke)
         if part in BACKGROUND:
-            end = seconds
+            end = start + seconds
             background = max(background, end)
         else:
             end = clock = (clock if part == "3a" else max(clock, background)) + seconds
@@ -115,7 +127,8 @@ def print_plan(budget, smoke):
     sources = {part: source for part, *_, source in PLAN}
     rows = timeline(budget, smoke)
     where = "on the CPU (--smoke)" if smoke else "on one H100 / H200"
-    print(f"expected seconds a part {where}, budget {budget:.0f} s:")
+    print(f"expected seconds a part {where}, budget {budget:.0f} s; the start-up {STARTUP[1 if smoke else 0]} s"
+          f"{'' if smoke else ': ' + STARTUP[2]}")
     for part, seconds, end, fits in rows:
         print(f"  {part:3s} {seconds:4.0f} s, ends at {end:4.0f} s {'' if fits else '(if time is left) '}"
               f"{WHAT[part]}: {'' if smoke else sources[part]}")
@@ -137,7 +150,8 @@ def append(path, text):
 
 
 def record(s, part, status, seconds, summary, **numbers):
-    row = dict(part=part, what=WHAT[part], status=status, seconds=round(seconds, 1), summary=summary, **numbers)
+    row = dict(part=part, what=WHAT[part], status=status, seconds=round(seconds, 1), summary=summary,
+               clock_s=round(time.monotonic() - s.start, 1), **numbers)  # clock_s: the budget's clock at the end
     with s.lock:  # the background parts' threads record too
         append(os.path.join(s.out, "results.jsonl"), json.dumps(row, default=str) + "\n")
         cells = (part, WHAT[part], status, summary.replace("|", "/").replace("\n", "; "), f"{seconds:.0f} s")
@@ -166,12 +180,14 @@ def header(s):
     driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if s.cuda else "-"
     info = dict(device=s.gpu.name, driver=driver or "unknown", torch=torch.__version__, cuda=torch.version.cuda,
                 commit=source_commit(s), budget_s=s.budget, smoke=s.smoke,
+                startup_s=round(time.monotonic() - s.start, 1),
                 started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with s.lock:
         append(os.path.join(s.out, "results.jsonl"), json.dumps(dict(session=info)) + "\n")
         append(os.path.join(s.out, "results.md"), f"\n## GPU session, {info['started']}\n\n{info['device']}, driver "
                f"{info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit {info['commit']}; budget "
-               f"{s.budget:.0f} s{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
+               f"{s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, CUDA)"
+               f"{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
                "seconds |\n| --- | --- | --- | --- | ---: |\n")
     print(f"session: {info}", flush=True)
 
@@ -195,6 +211,13 @@ def run_logged(s, argv, log, env=None):
     return status, open(path, encoding="utf-8", errors="replace").read().splitlines()
 
 
+def outcome(s, status, log):
+    """-> (a process part's status, and its summary where it was cut or failed without its line)."""
+    if status is None:
+        return "cut at the budget", f"stopped at the budget's end ({s.budget:.0f} s): what it wrote is in {log}"
+    return ("ok" if status == 0 else "failed"), f"exit status {status}, no summary line: see {log}"
+
+
 def cuda_test_files():
     """The suite's files that hold CUDA tests (pytest collects only these: each file collected costs seconds)."""
     return sorted(os.path.join("tests", name) for name in os.listdir(TESTS) if name.startswith("test_") and
@@ -202,17 +225,20 @@ def cuda_test_files():
 
 
 def part_cuda_tests(s):
-    env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"))
-    if s.smoke:  # the plumbing alone: the tests skip without a GPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    # pytest's plugins found by their entry points stay out: the CUDA tests use none, and loading them (hypothesis)
+    # costs seconds of a process that runs beside the timed parts' start
+    env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    if s.smoke:  # the plumbing alone: the tests skip without a GPU (one thread: see part 2)
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     status, lines = run_logged(s, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                                    *cuda_test_files()], "cuda_tests.log", env)
     last = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
     counts = {word.rstrip("s"): int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    summary = (last.strip("= ") or f"no summary (exit status {status})") + "".join(f"; {line}" for line in failed)
-    return dict(status="ok" if status == 0 else "cut at the budget" if status is None else "failed",
-                summary=summary, counts=counts, failed=failed)
+    status, otherwise = outcome(s, status, "cuda_tests.log")
+    summary = (last.strip("= ") if last and status != "cut at the budget" else otherwise) + \
+        "".join(f"; {line}" for line in failed)
+    return dict(status=status, summary=summary, counts=counts, failed=failed)
 
 
 def part_main_command(s):
@@ -220,9 +246,10 @@ def part_main_command(s):
     if not os.path.isdir(checkpoint) or not os.path.isfile(os.path.join(gsm8k, "train.jsonl")):
         return dict(status="skipped", summary=f"no fixture at {checkpoint} or no GSM8K at {gsm8k} (--prepare)")
     size = ["--num-steps", "2", "--prompts-per-step", "2", "--max-new-tokens", "64"]
-    if s.smoke:  # a CPU run, its self-check asked for (on the GPU it is the default)
+    if s.smoke:  # a CPU run, its self-check asked for (on the GPU it is the default); one thread, as tiny shapes
+        # gain nothing from a second one, which would only take a core from this process beside it
         size = ["--device", "cpu", "--self-check", "--num-steps", "1", "--prompts-per-step", "1", "--num-samples", "2",
-                "--max-new-tokens", "8"]
+                "--max-new-tokens", "8", "--threads", "1"]
     runs = tempfile.mkdtemp(prefix="gpu_session_runs_")  # a run's checkpoints stay out of DIR
     try:
         status, lines = run_logged(s, [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
@@ -232,9 +259,10 @@ def part_main_command(s):
         shutil.rmtree(runs, ignore_errors=True)
     check = next((line for line in lines if line.startswith(("self-check:", "error:"))), None)
     steps = [line for line in lines if line.startswith("step ")]
-    return dict(status="ok" if status == 0 else "cut at the budget" if status is None else "failed",
-                summary=" / ".join(filter(None, [check or "no self-check line", *steps[-1:]])),
-                self_check=check, steps=steps, exit_status=status)
+    exit_status, (status, otherwise) = status, outcome(s, status, "main_command.log")
+    cut = otherwise if status == "cut at the budget" else None
+    return dict(status=status, summary=" / ".join(filter(None, [cut, check or "no self-check line", *steps[-1:]])),
+                self_check=check, steps=steps, exit_status=exit_status)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,7 +288,7 @@ def part_models(s):
     params = sum(p.numel() for p in ours.parameters())
     same = "nanochat's code not found: ours alone" if theirs is None else \
         f"nanochat's init read into ours, logits {s.logits_apart:.1e} apart"
-    return dict(summary=f"{params / 1e6:.0f}M parameters, {same}; the first decode call ({label}) {seconds:.1f} s",
+    return dict(summary=f"{params / 1e6:.3g}M parameters, {same}; the first decode call ({label}) {seconds:.1f} s",
                 parameters=params, logits_apart=s.logits_apart, decode_compile_s=seconds)
 
 
@@ -291,7 +319,8 @@ def part_rollouts(s):
             theirs_rate = int(s.lengths[:len(some) * g.samples].sum()) / their_seconds
             numbers.update(engine_tokens_s=theirs_rate, engine_s=their_seconds,
                            ours_over_engine=real / call / theirs_rate)
-            summary.append(f"nanochat's Engine ({len(some)} questions) {theirs_rate:,.0f} tokens/s: ours "
+            questions = f"{len(some)} question{'s' * (len(some) != 1)}"
+            summary.append(f"nanochat's Engine ({questions}) {theirs_rate:,.0f} tokens/s: ours "
                            f"{real / call / theirs_rate:.1f}x")
     return dict(summary="; ".join(summary), **numbers)
 
@@ -310,7 +339,8 @@ def step_numbers(step, sample_s):
     summary = (f"{step['size']} tokens a pass: update {step['update_s']:.2f} s, MFU {shown(step['mfu'], '{:.1%}')}, "
                f"old+ref log-probs {step['logprobs_s']:.2f} s, step {shown(numbers['step_s'], '{:.2f} s')} "
                f"(sampling: 3b's full-length call); peak {shown(step['peak_gib'], '{:.1f} GiB')}, plan "
-               f"{step['plan_gib']:.1f} GiB; compile {shown(step['compile_s'], '{:.0f} s')}; top kernels: {kernels}")
+               f"{step['plan_gib']:.1f} GiB; compile {shown(step['compile_s'], '{:.0f} s')}; top kernels: "
+               f"{kernels or '-'}")
     return summary, numbers
 
 
@@ -321,6 +351,8 @@ def part_update(s):
     _, s.tokens_per_pass = bench_gpu.fitted_sizes(g, ours, "grpo", s.cuda)
     sample_s = s.numbers.get("3b", {}).get("full_s")
     for algo in ("grpo", "reinforce"):
+        # on the CPU, reading a profile's ~17,000 op events back takes seconds: --smoke rehearses it once
+        g.profile = s.cuda or algo == "grpo"
         begin = time.monotonic()
         step = bench_gpu.training_step(g, ours, s.prompts, algo, s.cuda, ("tokens", s.tokens_per_pass),
                                        samples=s.samples)
@@ -407,11 +439,11 @@ def run_part(s, part):
 
 def fits(s, part):
     """Whether the part's expected seconds fit in what is left of the budget; records it skipped where not."""
-    left = s.budget - (time.monotonic() - s.start)
-    if expected(part, s.smoke) <= left:
+    left, seconds = s.budget - (time.monotonic() - s.start), expected(part, s.smoke)
+    if seconds <= left:
         return True
-    record(s, part, "skipped", 0.0, f"expected {expected(part, s.smoke):.0f} s, {max(left, 0):.0f} s of the budget "
-           "left")
+    record(s, part, "skipped", 0.0, f"not started: none of the budget left ({s.budget:.0f} s spent)" if left <= 0 else
+           f"not started: expected {seconds:.0f} s, {left:.1f} s of the budget left")
     return False
 
 
@@ -454,11 +486,18 @@ def prepare(target, shared):
         f.write(commit + (" + changes not committed" if command_output(["git", "status", "--porcelain"]) else ""))
     size = sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(target) for name in names)
     print(f"{target}: {size / 2 ** 20:.1f} MiB (the device tool carries at most 64 MiB in all)")
-    if command_output(["git", "check-ignore", os.path.abspath(target)]) is None:
-        print(f"note: git does not ignore {target}: the device copy takes it only if it is ignored and carried")
+    # the device tool copies the tracked files, the untracked ones git does not ignore, and the ignored paths its
+    # carry names
+    if os.path.relpath(os.path.abspath(target), ROOT).startswith(".."):
+        print(f"note: {target} is outside the checkout: the device copy does not take it (--prepare .gpu)")
+    elif command_output(["git", "check-ignore", os.path.abspath(target)]) is None:
+        print(f"note: git does not ignore {target}: the device copy takes it as it is, but `git add -A` would commit "
+              "it (.gpu is ignored)")
+    else:
+        print(f"note: git ignores {target}: name it in the device call's carry (carry=[\"{target}\"])")
 
 
-def settings(args):
+def settings(args, started):
     """The session's shared state: both benches configured alike (the d20 shapes of docs/performance.md, or tiny
     ones on the CPU), the prompts, and the slots the parts fill in for the parts after them."""
     smoke = args.smoke
@@ -476,12 +515,14 @@ def settings(args):
     return SimpleNamespace(out=args.out, shared=args.shared, budget=args.budget_s, smoke=smoke, parts=args.parts,
                            cuda=not smoke, device=gpu.device, gpu=gpu, vs=vs, modes=modes,
                            prompts=bench_gpu.random_prompts(gpu), engine_prompts=1 if smoke else 4,
-                           start=time.monotonic(), lock=threading.Lock(), numbers={}, theirs=None, ours=None,
+                           start=started, lock=threading.Lock(), numbers={}, theirs=None, ours=None,
                            logits_apart=None, samples=None, real_samples=None, lengths=None, tokens_per_pass=None,
                            update_mfu=None)
 
 
-def main(argv=None):
+def main(argv=None, started=None):
+    """started: the budget clock's zero (the process's, run as a script; else now, the imports done before)."""
+    started = time.monotonic() if started is None else started
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="the folder the results go to (results.jsonl, results.md, logs)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole session")
@@ -504,14 +545,15 @@ def main(argv=None):
     args.shared = args.shared or (PREPARED if os.path.isdir(PREPARED) else SHARED)
     if not args.out:
         parser.error("--out DIR is needed (or --plan, or --prepare DIR)")
-    if not args.smoke and not torch.cuda.is_available():
-        print("gpu_session.py measures a CUDA GPU, and this machine has none (--smoke runs every part on the CPU)")
-        return
+    os.makedirs(args.out, exist_ok=True)
+    if not args.smoke and not torch.cuda.is_available():  # in DIR too: the device call's $OUT says why it is empty
+        line = "error: gpu_session.py measures a CUDA GPU and torch finds none here: run it on one, or pass --smoke"
+        append(os.path.join(args.out, "results.md"), line + "\n")
+        sys.exit(line)
     if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
         torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
-    os.makedirs(args.out, exist_ok=True)
-    run_session(settings(args))
+    run_session(settings(args, started))
 
 
 if __name__ == "__main__":
-    main()
+    main(started=STARTED)

@@ -3,6 +3,9 @@ plan within 9 minutes, a session cut by its budget or killed keeping the rows it
 import json
 import os
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -44,7 +47,7 @@ def test_the_smoke_session_runs_every_part_on_the_cpu(tmp_path):
     assert 0 < by_part["3b"]["decode_share"] and by_part["3b"]["full_tokens_s"] > 0
     updates = [row for row in rows if row["part"] == "4"]
     assert [row["algo"] for row in updates] == ["grpo", "reinforce"]
-    assert all(row["update_s"] > 0 and row["kernels"] for row in updates)
+    assert all(row["update_s"] > 0 for row in updates) and updates[0]["kernels"]  # the profile read back once
     assert "self-check: packed passes vs the plain float32 path" in by_part["6a"]["summary"]
     assert set(os.listdir(tmp_path)) <= {"results.jsonl", "results.md", "cuda_tests.log", "main_command.log"}
 
@@ -68,6 +71,28 @@ def test_a_session_cut_by_its_budget_keeps_the_parts_it_finished_and_marks_the_r
     _, rows = rows_of(tmp_path)
     assert [(row["part"], row["status"]) for row in rows] == [("3a", "ok"), ("3b", "skipped"), ("4", "skipped")]
     assert rows[0]["parameters"] > 0 and all("of the budget left" in row["summary"] for row in rows[1:])
+
+
+def test_the_budget_clock_counts_the_imports(tmp_path):
+    # run as the device runs it: a process whose torch and benches are still to import (no ../shared: nanochat's
+    # code, and the seconds of its import, left out)
+    begin = time.monotonic()
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_session.py"), "--smoke", "--out", str(tmp_path),
+                    "--parts", "6c", "--shared", str(tmp_path / "none")], check=True, capture_output=True)
+    wall = time.monotonic() - begin
+    (session,), (row,) = rows_of(tmp_path)
+    assert 0 < session["startup_s"] <= row["clock_s"]
+    # what the clock leaves out: the interpreter's own start and exit, a small share of a process that imports torch
+    assert row["clock_s"] > wall / 2, (row["clock_s"], wall)
+
+
+def test_without_a_gpu_and_without_smoke_it_says_so_and_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU machine too
+    with pytest.raises(SystemExit) as stop:
+        gpu_session.main(["--out", str(tmp_path), "--shared", SHARED])
+    line = str(stop.value.code)
+    assert line.startswith("error: ") and "\n" not in line and "--smoke" in line
+    assert (tmp_path / "results.md").read_text() == line + "\n"  # the device call's $OUT says why it is empty
 
 
 class Killed(BaseException):
