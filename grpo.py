@@ -1165,10 +1165,7 @@ def evaluated_run(args, given):
     if not os.path.isfile(path):  # (--resume says so itself, once it looks for the checkpoint)
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            run_config = json.load(f)
-        if not isinstance(run_config, dict):
-            raise ValueError("not a JSON object")
+        run_config = read_config(path)
     except (OSError, ValueError) as e:
         if args.resume:  # resume() names the file and the way on
             return None
@@ -2801,10 +2798,7 @@ def resume(args, run):
     if not saved and (not os.path.isfile(config_path) or args.eval_only or args.ask):
         sys.exit(f"error: --resume: no checkpoint with training state in {checkpoint_dir}")
     try:
-        with open(config_path, encoding="utf-8") as f:
-            run_config = json.load(f)
-        if not isinstance(run_config, dict):
-            raise ValueError("not a JSON object")
+        run_config = read_config(config_path)
     except (OSError, ValueError) as e:
         sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
@@ -2900,6 +2894,15 @@ def restore_training_state(run, state, state_path):
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
                                   f"({error_summary(e)})") from None
+
+
+def read_config(path):
+    """A run's config.json -> its dict; OSError, or ValueError for a file that is not one JSON object."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError("not a JSON object")
+    return config
 
 
 def read_step_log(path, log=print):
@@ -3520,10 +3523,9 @@ def compare_runs(run_dirs, plot_path):
     configurations = {}  # the flags that make a configuration -> [(run_dir, config, metrics)], one per seed
     for run_dir in run_dirs:
         try:
-            with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_config(os.path.join(run_dir, "config.json"))
             metrics = read_step_log(os.path.join(run_dir, "metrics.jsonl"))
-            if not isinstance(config, dict) or not {"task", "algo"} <= set(config):
+            if not {"task", "algo"} <= set(config):
                 raise ValueError("config.json is not a nanogrpo run's configuration")
         except (OSError, ValueError) as e:
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
