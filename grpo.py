@@ -234,11 +234,13 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
         chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode)
+                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode,
+                           respond=episode_responder(task, tokenizer, conversations[i:i + per_call], G, args))
                   for i in range(0, len(prompts), per_call)]
     samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
+    # An episode of several turns is graded once, as a whole (graded: the conversation with its turns, the last reply)
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
-        task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
+        task.reward_parts(*graded(task, tokenizer, conversations[row // G], samples, row))
         for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
     task_rewards = sum(weight * terms[..., task.reward_terms.index(name)]  # [P, G]
                        for name, weight in args.reward_weights.items())
@@ -746,7 +748,12 @@ arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-co
 arg = parser.add_argument_group("sampling (shared by all presets)").add_argument
 arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
 arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
-arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens")
+arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens (an episode's: "
+    "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)")
+arg("--max-turns", type=count, default=10, help="an episode's assistant turns at most, for a task that answers "
+    "(respond, docs/tasks.md); the environment is not asked after the last")
+arg("--attempts", type=count, default=1, help="retries after feedback: a reply that is not correct is answered "
+    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
 arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
 arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
@@ -2990,6 +2997,58 @@ def reply_text(tokenizer, samples, row):
     """A sampled reply as text for the grader, without its stop token."""
     length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
     return tokenizer.decode(samples["tokens"][row, :length].tolist())
+
+
+# -----------------------------------------------------------------------------
+# Episodes of several turns: the task answers the assistant (tasks/__init__.py, respond)
+
+def episode_turns(tokenizer, tokens, mask):
+    """A row's tokens and sampler mask (lists, up to its length) -> its turns, [{"role", "content"}, ...]. The
+    boundaries come from the ids and the mask, never from decoded text (the model may sample <|user_start|> inside
+    its own turn): an assistant turn ends at a token it sampled that is <|assistant_end|> ("ended": "turn") or <|bos|>
+    ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is the user's turn (a run
+    the token budget cut is left out: the model never read it whole); a last turn with no end was cut ("cut")."""
+    turns, start, i = [], 0, 0
+    while i < len(tokens):
+        if mask[i] and tokens[i] in (tokenizer.assistant_end, tokenizer.bos):
+            ended = "turn" if tokens[i] == tokenizer.assistant_end else "quit"
+            turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:i]), ended=ended))
+            try:  # the user's message holds no special token: the first forced <|assistant_start|> closes it
+                start = next(j for j in range(i + 1, len(tokens)) if tokens[j] == tokenizer.assistant_start
+                             and not mask[j]) + 1
+            except StopIteration:
+                return turns
+            turns.append(dict(role="user", content=tokenizer.decode(tokens[i + 2:start - 2])))
+            i = start
+            continue
+        i += 1
+    if start < len(tokens):
+        turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
+    return turns
+
+
+def episode_responder(task, tokenizer, conversations, G, args):
+    """-> generate's respond (row, tokens, mask) -> the task's next user message or None, for these conversations
+    (G rows each), at most --max-turns assistant turns an episode; None for a task of one turn."""
+    if getattr(task, "respond", None) is None:
+        return None
+
+    def respond(row, tokens, mask):
+        turns = episode_turns(tokenizer, tokens, mask)
+        if sum(turn["role"] == "assistant" for turn in turns) >= args.max_turns:
+            return None
+        return task.respond(conversations[row // G], turns)
+    return respond
+
+
+def graded(task, tokenizer, conversation, samples, row):
+    """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
+    episode's task the conversation with "episode" (its turns) and the last assistant turn."""
+    if getattr(task, "respond", None) is None:
+        return conversation, reply_text(tokenizer, samples, row)
+    length = samples["lengths"][row].item()
+    turns = episode_turns(tokenizer, samples["tokens"][row, :length].tolist(), samples["mask"][row, :length].tolist())
+    return dict(conversation, episode=turns), turns[-1]["content"]
 
 
 def pass_at_k(n, c, k):

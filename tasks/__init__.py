@@ -14,6 +14,13 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - score: the eval metric that ranks runs in --compare (eval_<score>);
 - tool: None, or a function that the sampler runs on the text between <|python_start|> and <|python_end|>,
   its string result forced into the reply;
+- respond: None (one assistant turn, the default), or a method respond(conversation, episode) -> the next user
+  message (text), or None to end the episode: called after each assistant turn that ends in <|assistant_end|>, with
+  episode the turns so far, [{"role": "assistant" | "user", "content": str}, ...], ending with the assistant's
+  (grpo.py's episode_turns: the turns come from the token ids and the sampler's mask, never from decoded text).
+  An episode's task is graded once, at its end: reward, reward_parts, evaluate and eval_metrics get the
+  conversation with "episode" (all its turns; each assistant turn's "ended": "turn" (it sampled
+  <|assistant_end|>), "quit" (<|bos|>) or "cut" (the token budget)) and the last assistant turn as reply_text;
 - from_flags(split, args) and default_num_steps(args): how grpo.py's flags build the task (None, Task's default:
   one epoch of the train split);
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
@@ -40,6 +47,7 @@ class Task:
     """What the tasks share: no tool, runs ranked by eval_reward, one reward term, the share of correct replies as
     the eval metric, and indexing that ends at the last example (len and example(index) are the task's own)."""
     tool = None
+    respond = None  # one assistant turn; a method respond(conversation, episode) makes episodes of several
     score = "reward"
     reward_terms = ("reward",)
     data_flags = {"train": "--task", "test": "--task-test"}  # the flags that name its data (a resume's messages)
@@ -195,6 +203,21 @@ class OwnTask:
             self.metric_names = list(result)
         return self.numbers(where, result, self.metric_names or [], "{name: a finite number}, the same names for "
                                                                     "every reply")
+
+    @property
+    def respond(self):
+        respond = getattr(self.task, "respond", None)
+        if respond is None:
+            return None
+
+        def checked(conversation, episode):
+            where = f"--task {self.spec}: respond after the reply {episode[-1]['content'][:60]!r}"
+            result = user_call(where, respond, conversation, episode)
+            if result is not None and not isinstance(result, str):
+                raise GraderError(f"{where} returned {shown(result)}: return the next user message as text, or None "
+                                  "to end the episode")
+            return result
+        return checked
 
     @property
     def tool(self):

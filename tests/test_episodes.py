@@ -1,0 +1,73 @@
+"""Episodes of several turns: a task that answers the assistant (tasks/__init__.py, respond), the sampler forcing
+its turns (model.generate's respond), their masking, grading and errors."""
+import pytest
+import torch
+
+import grpo
+from model import generate
+from test_generations import TOK, random_model, random_tokens, replies_that_end_at_different_steps
+
+
+def rendered_user_turn(message):
+    return [TOK.user_start] + TOK.encode(message) + [TOK.user_end, TOK.assistant_start]
+
+
+def answering(turns_per_row):
+    """respond: row r is answered 'again r.k' after its turns 1 .. turns_per_row[r] - 1, then its episode ends.
+    -> (respond, the calls it got: (row, tokens, mask))."""
+    calls = []
+
+    def respond(row, tokens, mask):
+        calls.append((row, tokens, mask))
+        done = sum(1 for t, m in zip(tokens, mask) if m and t == TOK.assistant_end)
+        return f"again {row}.{done}" if done < turns_per_row[row] else None
+    return respond, calls
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_k=50, seed=3), dict(temperature=0)])
+def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_tokens(options):
+    # Rows end turns at different steps and are answered 0 to 2 times, the batch halving (static, graph: on the CPU
+    # the graph's step runs uncaptured, rebuilt at every halving as on a GPU) as rows end: the dynamic decode's
+    # tokens, masks and lengths; log-probs up to the attention's rounding over masked columns
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    turns = [1, 2, 3, 1, 3, 2, 1, 2, 3, 3, 1, 2]
+    results = {}
+    for decode in ("dynamic", "static", "graph"):
+        respond, calls = answering(turns)
+        results[decode] = generate(model, TOK, prompts, 4, 60, decode=decode, respond=respond, **options)
+        results[decode]["calls"] = calls
+    dynamic = results["dynamic"]
+    for decode in ("static", "graph"):
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            assert torch.equal(dynamic[key], results[decode][key]), (decode, key)
+        torch.testing.assert_close(dynamic["logprobs"], results[decode]["logprobs"], rtol=0, atol=1e-4)
+        assert sorted(c[:1] + (tuple(c[1]),) for c in dynamic["calls"]) == \
+            sorted(c[:1] + (tuple(c[1]),) for c in results[decode]["calls"])
+    # what was forced is the chat format's user turn, mask 0 and log-prob 0, right after a sampled end of turn
+    answered = 0
+    for row in range(12):
+        n = dynamic["lengths"][row].item()
+        tokens, mask = dynamic["tokens"][row, :n].tolist(), dynamic["mask"][row, :n].tolist()
+        ends = [i for i in range(n) if mask[i] and tokens[i] == TOK.assistant_end]
+        for k, i in enumerate(ends[:turns[row] - 1]):
+            forced = rendered_user_turn(f"again {row}.{k + 1}")
+            got = dynamic["tokens"][row, i + 1:i + 1 + len(forced)].tolist()
+            assert got == forced[:len(got)]
+            assert not any(mask[i + 1:i + 1 + len(forced)])
+            assert not dynamic["logprobs"][row, i + 1:i + 1 + len(forced)].any()
+            answered += len(got) == len(forced)
+        if not dynamic["truncated"][row]:  # it ended at the end of the turn that the environment did not answer
+            assert tokens[-1] in (TOK.assistant_end, TOK.bos) and mask[-1] == 1
+            assert len(ends) == turns[row] or tokens[-1] == TOK.bos
+    assert answered >= 6  # most episodes got their answers in
+
+
+def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_environment():
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    for decode in ("dynamic", "static"):
+        alone = generate(model, TOK, prompts, 4, 40, seed=3, decode=decode)
+        silent = generate(model, TOK, prompts, 4, 40, seed=3, decode=decode, respond=lambda row, tokens, mask: None)
+        for key in alone:
+            assert torch.equal(alone[key], silent[key]), key
