@@ -1194,6 +1194,8 @@ def check_config(args):
                   else f"--distill-coef {args.distill_coef:g}")
     problems = [
         (args.top_k < 0, "--top-k must be >= 0"),
+        (args.attempts > args.max_turns, f"--attempts {args.attempts} needs as many assistant turns an episode: "
+         f"raise --max-turns (now {args.max_turns})"),
         (args.grader not in GRADERS and ":" not in args.grader, f"--grader {args.grader!r} is none of "
          f"{', '.join(GRADERS)}, nor a function as path/to/file.py:fn"),
         (args.prompts_per_step % world_size,
@@ -3041,6 +3043,12 @@ def episode_responder(task, tokenizer, conversations, G, args):
     return respond
 
 
+def episode_of(conversation):
+    """{"episode": its turns} for a graded episode (the samples and eval files show it turn by turn), {} for a
+    one-turn reply."""
+    return {"episode": conversation["episode"]} if "episode" in conversation else {}
+
+
 def graded(task, tokenizer, conversation, samples, row):
     """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
     episode's task the conversation with "episode" (its turns) and the last assistant turn."""
@@ -3078,19 +3086,21 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
             continue
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
-            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool)
+            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool,
+                              respond=episode_responder(task, tokenizer, conversations, 1, args))
             sampled = generate(model, tokenizer, prompts, args.pass_k, args.eval_max_new_tokens, args.temperature,
-                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]],
-                               tool=task.tool) if args.pass_k else None
-        for p, conversation in enumerate(conversations):
-            reply = reply_text(tokenizer, greedy, p)
+                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]], tool=task.tool,
+                               respond=episode_responder(task, tokenizer, conversations, args.pass_k, args)
+                               ) if args.pass_k else None
+        for p, example in enumerate(conversations):
+            conversation, reply = graded(task, tokenizer, example, greedy, p)
             reward, metrics = task.reward(conversation, reply), task.eval_metrics(conversation, reply)
             totals[:2 + len(names)] += torch.tensor([1, reward] + [metrics[k] for k in names], dtype=torch.float64)
             replies.append(dict(index=mine[i + p], question=conversation["messages"][0]["content"], reply=reply,
                                 reward=reward, **metrics, length=greedy["lengths"][p].item(),
-                                truncated=bool(greedy["truncated"][p])))
+                                truncated=bool(greedy["truncated"][p]), **episode_of(conversation)))
             if sampled is not None:
-                correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
+                correct = sum(task.evaluate(*graded(task, tokenizer, example, sampled, p * args.pass_k + g))
                               for g in range(args.pass_k))
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])

@@ -265,11 +265,53 @@ def build(spec, split, args):
     (its OSError or ValueError is its own word on its data, one line as the built-in tasks' are)."""
     cls = task_class(spec)
     if spec.endswith(".jsonl"):
-        return cls.from_flags(split, args, spec)
-    if spec in BUILTIN:
-        return cls.from_flags(split, args)
-    task = user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args, passes=(OSError, ValueError))
-    return OwnTask(task, spec)
+        task = cls.from_flags(split, args, spec)
+    elif spec in BUILTIN:
+        task = cls.from_flags(split, args)
+    else:
+        task = OwnTask(user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args,
+                                 passes=(OSError, ValueError)), spec)
+    if getattr(args, "attempts", 1) == 1:
+        return task
+    if getattr(task, "respond", None) is not None:
+        raise ValueError(f"--task {spec} answers the assistant itself (respond): --attempts {args.attempts} would "
+                         "replace its answers; leave --attempts out")
+    return Attempts(task, args.attempts)
+
+
+class Attempts:
+    """--attempts N: any graded task as an episode of up to N attempts (Chung, Du, Fu 2025, "Learning from Failures
+    in Multi-Attempt Reinforcement Learning"): a reply that evaluate finds wrong is answered
+        Your answer is wrong. Try again (K attempts left).
+    (K: the attempts still open, the next one included) until one is right or the N are spent. Its reward is the
+    task's reward of the last attempt, undiscounted, as in the paper (right at any attempt earns a right reply's
+    reward; the paper's rewards are +1 right, -0.5 wrong but well formed, -1 else: here the task's own). Its eval
+    metrics are the task's, of the last attempt, and correct@1 .. correct@N: right within the first k attempts."""
+
+    def __init__(self, task, attempts):
+        self.task, self.attempts = task, attempts
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, index):
+        return self.task[index]
+
+    def respond(self, conversation, episode):
+        replies = [turn["content"] for turn in episode if turn["role"] == "assistant"]
+        left = self.attempts - len(replies)
+        if left <= 0 or self.task.evaluate(conversation, replies[-1]):
+            return None
+        return f"Your answer is wrong. Try again ({left} attempt{'s' if left > 1 else ''} left)."
+
+    def eval_metrics(self, conversation, reply_text):
+        turns = conversation.get("episode", [{"role": "assistant", "content": reply_text}])
+        right = [self.task.evaluate(conversation, turn["content"]) for turn in turns if turn["role"] == "assistant"]
+        return dict(self.task.eval_metrics(conversation, reply_text),
+                    **{f"correct@{k}": float(any(right[:k])) for k in range(1, self.attempts + 1)})
 
 
 def code_fingerprint(spec):

@@ -71,3 +71,56 @@ def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_envi
         silent = generate(model, TOK, prompts, 4, 40, seed=3, decode=decode, respond=lambda row, tokens, mask: None)
         for key in alone:
             assert torch.equal(alone[key], silent[key]), key
+
+
+def test_the_environments_tokens_get_exactly_zero_gradient():
+    # An episode batch (user turns forced into rows) through make_batch and the objective, every term on (policy,
+    # KL to a reference, entropy bonus), in float64, against a loss written here over the sampled tokens alone,
+    # found from generate's mask: the same gradient up to float64 rounding, and exactly 0 at the forced positions
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts).double()
+    respond, _ = answering([3] * 8)
+    samples = generate(model, TOK, prompts, 4, 40, seed=3, respond=respond)
+    args = grpo.resolve_config(["--demo", "--aggregation", "token", "--kl-coef", "0.1", "--kl-estimator", "k3",
+                                "--entropy-coef", "0.01", "--num-samples", "4", "--clip-eps", "0.2"])
+    rewards = torch.arange(8, dtype=torch.float32).view(2, 4) % 3
+    batch = grpo.make_batch(prompts, samples, rewards, args)
+    ids, targets = batch["input_ids"], batch["target_ids"]
+    logprobs, entropy = model.token_logprobs(ids, targets, with_entropy=True)
+    noise = torch.Generator().manual_seed(0)
+    old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
+    ref = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
+    frozen = dict(old=old, sampler=old, ref=ref, teacher=None, teacher_top=None)
+    advantages = batch["advantages"].double()[:, None]
+    mask = batch["loss_mask"].double()
+    loss, _ = grpo.objective(logprobs, entropy, frozen, advantages, mask, mask.sum(), args)
+
+    # the hand-written loss: only positions where generate sampled (mask 1), found from its own outputs
+    sampled = []
+    for row in range(8):
+        offset = len(prompts[row // 4]) - 1  # the reply's first token is predicted at the prompt's last position
+        sampled += [(row, offset + t) for t in range(samples["lengths"][row]) if samples["mask"][row, t]]
+    assert len(sampled) < sum(samples["lengths"].tolist())  # forced tokens are there, left out here
+
+    def hand_written(order):
+        total = 0.0
+        for row, pos in order:
+            lp, a = logprobs[row, pos], advantages[row, 0]
+            ratio = torch.exp(lp - old[row, pos])
+            policy = -torch.minimum(ratio * a, ratio.clamp(1 - args.clip_eps, 1 + args.clip_eps_high) * a)
+            kl = torch.exp(ref[row, pos] - lp) - (ref[row, pos] - lp) - 1
+            total = total + policy + args.kl_coef * kl - args.entropy_coef * entropy[row, pos]
+        return total / len(order)
+
+    def grads(value):
+        return torch.cat([g.flatten() for g in torch.autograd.grad(value, list(model.parameters()) + [logprobs, entropy],
+                                                                   retain_graph=True, allow_unused=False)])
+    got, want, permuted = grads(loss), grads(hand_written(sampled)), grads(hand_written(sampled[::-1]))
+    rounding = (want - permuted).abs().max() + torch.finfo(torch.float64).eps * want.abs().max()
+    assert (got - want).abs().max() <= 8 * rounding
+    # d loss / d log-prob and d loss / d entropy: exactly 0 wherever the sampler did not sample
+    lp_grad, ent_grad = torch.autograd.grad(loss, [logprobs, entropy], retain_graph=True)
+    forced = torch.ones_like(mask, dtype=torch.bool)
+    for row, pos in sampled:
+        forced[row, pos] = False
+    assert not lp_grad[forced].any() and not ent_grad[forced].any() and lp_grad[~forced].abs().sum() > 0
