@@ -1,11 +1,14 @@
 """Episodes of several turns: a task that answers the assistant (tasks/__init__.py, respond), the sampler forcing
 its turns (model.generate's respond), their masking, grading and errors."""
+import json
+
 import pytest
 import torch
 
 import grpo
 from model import generate
 from test_generations import TOK, random_model, random_tokens, replies_that_end_at_different_steps
+from test_own_tasks import TASK_FILE, base_flags
 
 
 def rendered_user_turn(message):
@@ -124,3 +127,88 @@ def test_the_environments_tokens_get_exactly_zero_gradient():
     for row, pos in sampled:
         forced[row, pos] = False
     assert not lp_grad[forced].any() and not ent_grad[forced].any() and lp_grad[~forced].abs().sum() > 0
+
+
+ENVIRONMENTS = TASK_FILE + '''
+
+class Silent(Reverse):  # answers no turn: every episode is one turn
+    def respond(self, conversation, episode):
+        return None
+
+
+class Endless(Reverse):  # answers every turn: --max-turns and the token budget end its episodes
+    def respond(self, conversation, episode):
+        return "again"
+
+
+class Raises(Reverse):
+    def respond(self, conversation, episode):
+        raise KeyError("state")
+
+
+class NotText(Reverse):
+    def respond(self, conversation, episode):
+        return 3
+
+
+class Exits(Reverse):
+    def respond(self, conversation, episode):
+        sys.exit(0)
+'''
+
+
+def read_run(tmp_path, name):
+    run = tmp_path / "runs" / name
+    metrics = [{k: v for k, v in json.loads(line).items() if not any(s in k for s in ("time", "tokens_per_s", "peak_mem"))}
+               for line in open(run / "metrics.jsonl")]
+    weights = torch.load(next((run / "chatrl_checkpoints").glob("*/model_*.pt")), weights_only=True)
+    return metrics, weights
+
+
+def test_a_task_that_answers_no_turn_is_todays_run_byte_for_byte(tmp_path, monkeypatch):
+    # The episode machinery on (respond asked at every end of turn, --attempts 1, --max-turns): the same metrics
+    # and weights as the plain task's run, to the bit
+    (tmp_path / "own.py").write_text("import sys\n" + ENVIRONMENTS)
+    asked, responder = [], grpo.episode_responder
+
+    def counting(task, *rest):
+        respond = responder(task, *rest)
+        return respond and (lambda *a: asked.append(1) or respond(*a))
+    monkeypatch.setattr(grpo, "episode_responder", counting)
+    flags = ["--num-steps", "2", "--eval-every", "2", "--max-new-tokens", "12"]
+    grpo.main(base_flags(tmp_path, "plain", "--task", f"{tmp_path / 'own.py'}:Reverse", *flags))
+    grpo.main(base_flags(tmp_path, "silent", "--task", f"{tmp_path / 'own.py'}:Silent", "--attempts", "1",
+                         "--max-turns", "3", *flags))
+    assert asked  # rows ended their turns and the task was asked
+    (plain, plain_weights), (silent, silent_weights) = read_run(tmp_path, "plain"), read_run(tmp_path, "silent")
+    assert plain == silent
+    assert plain_weights.keys() == silent_weights.keys()
+    assert all(torch.equal(plain_weights[k], silent_weights[k]) for k in plain_weights)
+
+
+def test_an_environment_that_never_ends_is_ended_by_max_turns(tmp_path):
+    (tmp_path / "own.py").write_text("import sys\n" + ENVIRONMENTS)
+    grpo.main(base_flags(tmp_path, "endless", "--task", f"{tmp_path / 'own.py'}:Endless", "--num-steps", "1",
+                         "--max-turns", "2", "--max-new-tokens", "40", "--eval-every", "1", "--eval-examples", "4"))
+    episodes = [json.loads(line)["episode"] for line in open(tmp_path / "runs" / "endless" / "evals" / "step_1.jsonl")]
+    assert all(sum(turn["role"] == "assistant" for turn in episode) <= 2 for episode in episodes)
+    users = [turn["content"] for episode in episodes for turn in episode if turn["role"] == "user"]
+    assert users and set(users) == {"again"}
+
+
+@pytest.mark.parametrize("name,said", [
+    ("Raises", "raised KeyError: 'state' (own.py line {line}, in respond)"),
+    ("NotText", "returned 3: return the next user message as text, or None to end the episode"),
+    ("Exits", "called sys.exit(0) (own.py line {line}, in respond): it must return"),
+])
+def test_an_environment_that_misbehaves_is_one_line_naming_respond(tmp_path, name, said):
+    source = "import sys\n" + ENVIRONMENTS
+    (tmp_path / "own.py").write_text(source)
+    spec = f"{tmp_path / 'own.py'}:{name}"
+    line = 1 + source.split("\n").index(f"class {name}(Reverse):") + 2
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, "--task", spec, "--num-steps", "1", "--eval-every", "0",
+                             "--max-new-tokens", "24"))
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --task {spec}: respond after the reply ") and "\n" not in message, message
+    assert said.format(line=line) in message, message
