@@ -136,11 +136,6 @@ class Silent(Reverse):  # answers no turn: every episode is one turn
         return None
 
 
-class Endless(Reverse):  # answers every turn: --max-turns and the token budget end its episodes
-    def respond(self, conversation, episode):
-        return "again"
-
-
 class Raises(Reverse):
     def respond(self, conversation, episode):
         raise KeyError("state")
@@ -186,14 +181,38 @@ def test_a_task_that_answers_no_turn_is_todays_run_byte_for_byte(tmp_path, monke
     assert all(torch.equal(plain_weights[k], silent_weights[k]) for k in plain_weights)
 
 
-def test_an_environment_that_never_ends_is_ended_by_max_turns(tmp_path):
-    (tmp_path / "own.py").write_text("import sys\n" + ENVIRONMENTS)
-    grpo.main(base_flags(tmp_path, "endless", "--task", f"{tmp_path / 'own.py'}:Endless", "--num-steps", "1",
-                         "--max-turns", "2", "--max-new-tokens", "40", "--eval-every", "1", "--eval-examples", "4"))
-    episodes = [json.loads(line)["episode"] for line in open(tmp_path / "runs" / "endless" / "evals" / "step_1.jsonl")]
-    assert all(sum(turn["role"] == "assistant" for turn in episode) <= 2 for episode in episodes)
-    users = [turn["content"] for episode in episodes for turn in episode if turn["role"] == "user"]
-    assert users and set(users) == {"again"}
+class Endless:
+    """A task whose environment answers every turn: --max-turns and the token budget end its episodes."""
+    def respond(self, conversation, episode):
+        return "again"
+
+
+def test_an_environment_that_never_ends_is_ended_by_max_turns_and_its_episodes_read_back_turn_by_turn():
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    args = grpo.resolve_config(["--demo", "--max-turns", "3"])
+    conversations = [{"messages": [{"role": "user", "content": "x"}]}] * 2
+    respond = grpo.episode_responder(Endless(), TOK, conversations, 4, args)
+    samples = generate(model, TOK, prompts, 4, 80, seed=3, respond=respond)
+    counts = []
+    for row in range(8):
+        conversation, reply = grpo.graded(Endless(), TOK, conversations[0], samples, row)
+        turns = conversation["episode"]
+        assistant = [turn for turn in turns if turn["role"] == "assistant"]
+        counts.append(len(assistant))
+        assert [turn["role"] for turn in turns] == ["assistant", "user"] * (len(assistant) - 1) + ["assistant"]
+        assert all(turn["content"] == "again" for turn in turns if turn["role"] == "user") and reply == turns[-1][
+            "content"]
+        if not samples["truncated"][row]:  # ended: at the third turn's end, or by <|bos|>
+            assert len(assistant) == 3 or assistant[-1]["ended"] == "quit"
+        # each sampled end of turn but the last is followed by the forced user turn
+        n = samples["lengths"][row].item()
+        tokens, mask = samples["tokens"][row, :n].tolist(), samples["mask"][row, :n].tolist()
+        ends = [i for i in range(n) if mask[i] and tokens[i] in (TOK.assistant_end, TOK.bos)]
+        assert len(ends) == len(assistant) - (assistant[-1]["ended"] == "cut")
+        for i in ends[:len(assistant) - 1]:
+            assert tokens[i + 1:i + 1 + len(rendered_user_turn("again"))] == rendered_user_turn("again")
+    assert max(counts) == 3 and min(counts) < 3
 
 
 @pytest.mark.parametrize("name,said", [
