@@ -2463,14 +2463,16 @@ def log_samples(args, run, step, groups, batch):
     order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
     rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
             for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
-    table = []
+    table, episodes = [], []
     for row in rows:
         index = int(groups["indices"][row // G])
-        table.append([step + 1, index, run.train_task[index]["messages"][0]["content"],
-                      reply_text(run.tokenizer, samples, row), rewards.flatten()[row].item(), advantages[row],
-                      int(samples["lengths"][row]), bool(samples["truncated"][row])])
+        conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
+        table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
+                      advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
+        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
     with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values))) + "\n" for values in table)
+        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
+                     for values, episode in zip(table, episodes))
     if run.wandb:
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
@@ -2499,6 +2501,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
                  tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
+    episodes = episode_ends(run.tokenizer, samples) if getattr(run.train_task, "respond", None) else {}
+    local.update(episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
     weights_finite = stats.pop("weights_finite")
@@ -2512,6 +2516,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "reply_len": sums["tokens"] / sums["kept_replies"],
                "truncated_frac": sums["truncated"] / sums["kept_replies"],
                "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
+               **{name: sums[name] / sums["kept_replies"] for name in episodes},  # episodes: turns, how they ended
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
                "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
                "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
@@ -2528,6 +2533,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
             + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
             + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
+            + (f" | turns {metrics['episode_turns']:.2f}" if episodes else "")
             + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
               f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
               f"| {metrics['tokens_per_s']:.0f} tok/s")
@@ -2642,7 +2648,7 @@ SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss",
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
          "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False,
-         "distill_divergence": "sampled", "distill_top_k": 64}
+         "distill_divergence": "sampled", "distill_top_k": 64, "max_turns": 10, "attempts": 1}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -3041,6 +3047,21 @@ def episode_responder(task, tokenizer, conversations, G, args):
             return None
         return task.respond(conversations[row // G], turns)
     return respond
+
+
+def episode_ends(tokenizer, samples):
+    """The step's episodes, summed: episode_turns (assistant turns), and how each ended: episode_end_done (the
+    task ended it, or --max-turns did), episode_end_quit (the model sampled <|bos|>), episode_end_budget (cut at
+    --max-new-tokens, in a turn of either side)."""
+    sums = dict(episode_turns=0, episode_end_done=0, episode_end_quit=0, episode_end_budget=0)
+    tokens, mask = samples["tokens"].tolist(), samples["mask"].tolist()
+    for row, (length, cut) in enumerate(zip(samples["lengths"].tolist(), samples["truncated"].tolist())):
+        turns = [turn for turn in episode_turns(tokenizer, tokens[row][:length], mask[row][:length])
+                 if turn["role"] == "assistant"]
+        sums["episode_turns"] += len(turns)
+        ended = "budget" if cut else "quit" if turns[-1]["ended"] == "quit" else "done"
+        sums[f"episode_end_{ended}"] += 1
+    return sums
 
 
 def episode_of(conversation):

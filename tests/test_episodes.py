@@ -176,7 +176,10 @@ def test_a_task_that_answers_no_turn_is_todays_run_byte_for_byte(tmp_path, monke
                          "--max-turns", "3", *flags))
     assert asked  # rows ended their turns and the task was asked
     (plain, plain_weights), (silent, silent_weights) = read_run(tmp_path, "plain"), read_run(tmp_path, "silent")
+    episodes = [{k: m.pop(k) for k in list(m) if k.startswith("episode_")} for m in silent]  # logged for episodes
     assert plain == silent
+    assert all(e["episode_turns"] == 1 and e["episode_end_quit"] + e["episode_end_done"] + e["episode_end_budget"]
+               == 1 for e in episodes if e)
     assert plain_weights.keys() == silent_weights.keys()
     assert all(torch.equal(plain_weights[k], silent_weights[k]) for k in plain_weights)
 
