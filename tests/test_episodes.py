@@ -156,7 +156,7 @@ def read_run(tmp_path, name):
     run = tmp_path / "runs" / name
     metrics = [{k: v for k, v in json.loads(line).items() if not any(s in k for s in ("time", "tokens_per_s", "peak_mem"))}
                for line in open(run / "metrics.jsonl")]
-    weights = torch.load(next((run / "chatrl_checkpoints").glob("*/model_*.pt")), weights_only=True)
+    weights = torch.load(max((run / "chatrl_checkpoints").glob("*/model_*.pt")), weights_only=True)  # the last
     return metrics, weights
 
 
@@ -234,3 +234,99 @@ def test_an_environment_that_misbehaves_is_one_line_naming_respond(tmp_path, nam
     message = str(stop.value.code)
     assert message.startswith(f"error: --task {spec}: respond after the reply ") and "\n" not in message, message
     assert said.format(line=line) in message, message
+
+
+class Answer42:
+    """A graded task of one turn: right when the reply is 42; reward 1 right, 0.5 for a number, else 0."""
+    reward_terms = ("reward",)
+
+    def evaluate(self, conversation, reply_text):
+        return reply_text == "42"
+
+    def reward_parts(self, conversation, reply_text):
+        return {"reward": 1.0 if reply_text == "42" else 0.5 if reply_text.isdigit() else 0.0}
+
+    def eval_metrics(self, conversation, reply_text):
+        return {"correct": float(self.evaluate(conversation, reply_text))}
+
+
+def episode(*replies):
+    turns = []
+    for reply in replies:
+        turns += [dict(role="assistant", content=reply, ended="turn"), dict(role="user", content="...")]
+    return turns[:-1]
+
+
+def test_attempts_answer_a_wrong_reply_until_it_is_right_or_the_attempts_are_spent():
+    from tasks import Attempts
+    task, conversation = Attempts(Answer42(), 3), {"messages": [{"role": "user", "content": "6 x 7?"}]}
+    assert task.respond(conversation, episode("41")) == "Your answer is wrong. Try again (2 attempts left)."
+    assert task.respond(conversation, episode("41", "40")) == "Your answer is wrong. Try again (1 attempt left)."
+    assert task.respond(conversation, episode("41", "40", "x")) is None  # spent
+    assert task.respond(conversation, episode("42")) is None and task.respond(conversation, episode("1", "42")) is None
+    # the reward is the last attempt's, undiscounted; correct@k: right within the first k attempts
+    graded = dict(conversation, episode=episode("x", "42"))
+    assert task.reward_parts(graded, "42") == {"reward": 1.0}
+    assert task.eval_metrics(graded, "42") == {"correct": 1.0, "correct@1": 0.0, "correct@2": 1.0, "correct@3": 1.0}
+    spent = dict(conversation, episode=episode("x", "7", "8"))
+    assert task.reward_parts(spent, "8") == {"reward": 0.5}
+    assert task.eval_metrics(spent, "8") == {"correct": 0.0, "correct@1": 0.0, "correct@2": 0.0, "correct@3": 0.0}
+
+
+def test_the_example_environment_pays_for_reading_the_answers():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("guess_digit", "docs/examples/guess_digit.py")
+    game = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(game)
+    task = game.GuessDigit("test")
+
+    def play(policy):  # policy(low, high, guesses so far) -> a guess; the mean reward over the test split
+        total = 0.0
+        for index in range(len(task)):
+            conversation, turns, low, high = task[index], [], 0, 9
+            while True:
+                guess = policy(low, high, len(turns) // 2)
+                turns.append(dict(role="assistant", content=f" {guess}\n", ended="turn"))
+                answer = task.respond(conversation, turns)
+                if answer is None:
+                    break
+                low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
+                turns.append(dict(role="user", content=answer))
+            total += task.reward(dict(conversation, episode=turns), turns[-1]["content"])
+        return total / len(task)
+    blind, search = play(lambda low, high, k: k), play(lambda low, high, k: (low + high) // 2)
+    assert blind < 0.3 < 0.45 < search  # about 0.25 and 0.525 on a uniform digit
+    assert task.respond(task[0], [dict(role="assistant", content="seven", ended="turn")]) == "a digit"
+
+
+def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_episode_flags(
+        tmp_path, run_killed_after_first_save, capsys):
+    flags = base_flags(tmp_path, "guess", "--task", "docs/examples/guess_digit.py:GuessDigit", "--max-turns", "4",
+                       "--max-new-tokens", "24", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
+                       "--log-samples", "2")
+    run_killed_after_first_save(flags)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--max-turns", "3", "--resume"])
+    assert str(stop.value.code).startswith("error: --resume with flags that differ from the run's (max_turns)")
+    assert "attempts" not in grpo.NOT_TRAJECTORY  # refused the same way
+    grpo.main(flags + ["--resume"])
+    grpo.main([f if f != "guess" else "whole" for f in flags])  # the same run, never stopped: the same steps
+    (resumed, resumed_weights), (whole, whole_weights) = read_run(tmp_path, "guess"), read_run(tmp_path, "whole")
+    assert [m for m in resumed if "reward" in m] == [m for m in whole if "reward" in m]
+    assert all(torch.equal(resumed_weights[k], whole_weights[k]) for k in whole_weights)
+    metrics = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "metrics.jsonl")]
+    steps = [m for m in metrics if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2] and all(1 <= m["episode_turns"] <= 4 for m in steps)
+    assert all(abs(m["episode_end_done"] + m["episode_end_quit"] + m["episode_end_budget"] - 1) < 1e-9 for m in steps)
+    samples = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "samples.jsonl")]
+    assert all(s["episode"][-1]["role"] == "assistant" and s["reply"] == s["episode"][-1]["content"] for s in samples)
+    assert "| turns " in capsys.readouterr().out
+
+
+def test_attempts_need_the_turns_and_a_task_that_does_not_answer_itself(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "a", "--attempts", "3", "--max-turns", "2"))
+    assert stop.value.code == 2
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "b", "--task", "docs/examples/guess_digit.py:GuessDigit", "--attempts", "2"))
+    assert "answers the assistant itself (respond): --attempts 2 would replace its answers" in str(stop.value.code)
