@@ -2984,19 +2984,26 @@ def ask(args, run):
     known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
                   if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
     prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})
+
+    def responder(G):  # an episode's task answers the problems of its own only
+        return episode_responder(task, run.tokenizer, [known], G, args) if known else None
     with run.autocast:
         greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
-                          tool=task.tool)
+                          tool=task.tool, respond=responder(1))
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
-                           args.temperature, args.top_k, seed=args.seed, tool=task.tool)
+                           args.temperature, args.top_k, seed=args.seed, tool=task.tool,
+                           respond=responder(args.num_samples))
     run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
                                                     f"not one of the task's problems ({args.task}): no grade"))
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:
-        text = reply_text(run.tokenizer, samples, row)
-        reward = task.reward(known, text) if known else None
+        conversation, text = graded(task, run.tokenizer, known, samples, row) if known else (
+            None, reply_text(run.tokenizer, samples, row))
+        reward = task.reward(conversation, text) if known else None
         replies.append((text, reward))
+        for turn in episode_of(conversation or {}).get("episode", [])[:-1]:  # an episode: its turns, then the last
+            run.log(f"[{label}, {turn['role']}] {turn['content']}")
         run.log(f"[{label}{'' if reward is None else f', reward {reward:g}'}] {text}")
     return replies
 

@@ -29,7 +29,8 @@ class GuessDigit(Task):
 
     def example(self, index):
         digit = random.Random(f"{self.split}-{index}").randrange(10)  # the hidden digit is the reference answer
-        return {"messages": [{"role": "user", "content": "Guess my digit."}, {"role": "assistant", "content": str(digit)}]}
+        return {"messages": [{"role": "user", "content": "Guess my digit."},
+                             {"role": "assistant", "content": str(digit)}]}
 
     def respond(self, conversation, episode):
         said, digit = guesses({"episode": episode}, ""), int(conversation["messages"][-1]["content"])
