@@ -235,7 +235,8 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     with autocast:
         chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
                            args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode,
-                           respond=episode_responder(task, tokenizer, conversations[i:i + per_call], G, args))
+                           respond=episode_responder(task, tokenizer, conversations[i:i + per_call], G, args),
+                           max_turn_tokens=args.max_turn_tokens)
                   for i in range(0, len(prompts), per_call)]
     samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
     # An episode of several turns is graded once, as a whole (graded: the conversation with its turns, the last reply)
@@ -752,6 +753,8 @@ arg("--max-new-tokens", type=count, default=256, help="reply length limit in tra
     "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)")
 arg("--max-turns", type=count, default=10, help="an episode's assistant turns at most, for a task that answers "
     "(respond, docs/tasks.md); the environment is not asked after the last")
+arg("--max-turn-tokens", type=count, default=None, help="an episode's assistant turn: tokens sampled at most, "
+    "then its <|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)")
 arg("--attempts", type=count, default=1, help="retries after feedback: a reply that is not correct is answered "
     "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
@@ -2648,7 +2651,8 @@ SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss",
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
          "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False,
-         "distill_divergence": "sampled", "distill_top_k": 64, "max_turns": 10, "attempts": 1}
+         "distill_divergence": "sampled", "distill_top_k": 64, "max_turns": 10, "attempts": 1,
+         "max_turn_tokens": None}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -2989,10 +2993,10 @@ def ask(args, run):
         return episode_responder(task, run.tokenizer, [known], G, args) if known else None
     with run.autocast:
         greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
-                          tool=task.tool, respond=responder(1))
+                          tool=task.tool, respond=responder(1), max_turn_tokens=args.max_turn_tokens)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
                            args.temperature, args.top_k, seed=args.seed, tool=task.tool,
-                           respond=responder(args.num_samples))
+                           respond=responder(args.num_samples), max_turn_tokens=args.max_turn_tokens)
     run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
                                                     f"not one of the task's problems ({args.task}): no grade"))
     replies = []
@@ -3020,13 +3024,15 @@ def reply_text(tokenizer, samples, row):
 def episode_turns(tokenizer, tokens, mask):
     """A row's tokens and sampler mask (lists, up to its length) -> its turns, [{"role", "content"}, ...]. The
     boundaries come from the ids and the mask, never from decoded text (the model may sample <|user_start|> inside
-    its own turn): an assistant turn ends at a token it sampled that is <|assistant_end|> ("ended": "turn") or <|bos|>
-    ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is the user's turn (a run
-    the token budget cut is left out: the model never read it whole); a last turn with no end was cut ("cut")."""
+    its own turn): an assistant turn ends at <|assistant_end|>, sampled ("ended": "turn") or forced at
+    --max-turn-tokens ("capped": no forced run holds it, a user's message and a tool's output being plain tokens), or
+    at a sampled <|bos|> ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is
+    the user's turn (a run the token budget cut is left out: the model never read it whole); a last turn with no end
+    was cut ("cut")."""
     turns, start, i = [], 0, 0
     while i < len(tokens):
-        if mask[i] and tokens[i] in (tokenizer.assistant_end, tokenizer.bos):
-            ended = "turn" if tokens[i] == tokenizer.assistant_end else "quit"
+        if tokens[i] == tokenizer.assistant_end or mask[i] and tokens[i] == tokenizer.bos:
+            ended = "quit" if tokens[i] == tokenizer.bos else "turn" if mask[i] else "capped"
             turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:i]), ended=ended))
             try:  # the user's message holds no special token: the first forced <|assistant_start|> closes it
                 start = next(j for j in range(i + 1, len(tokens)) if tokens[j] == tokenizer.assistant_start
@@ -3115,11 +3121,12 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
             greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool,
-                              respond=episode_responder(task, tokenizer, conversations, 1, args))
+                              respond=episode_responder(task, tokenizer, conversations, 1, args),
+                              max_turn_tokens=args.max_turn_tokens)
             sampled = generate(model, tokenizer, prompts, args.pass_k, args.eval_max_new_tokens, args.temperature,
                                args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]], tool=task.tool,
-                               respond=episode_responder(task, tokenizer, conversations, args.pass_k, args)
-                               ) if args.pass_k else None
+                               respond=episode_responder(task, tokenizer, conversations, args.pass_k, args),
+                               max_turn_tokens=args.max_turn_tokens) if args.pass_k else None
         for p, example in enumerate(conversations):
             conversation, reply = graded(task, tokenizer, example, greedy, p)
             reward, metrics = task.reward(conversation, reply), task.eval_metrics(conversation, reply)

@@ -685,7 +685,7 @@ def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-             tool=None, decode="auto", ends=None, respond=None):
+             tool=None, decode="auto", ends=None, respond=None, max_turn_tokens=None):
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
@@ -704,6 +704,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     and <|user_start|> message <|user_end|> <|assistant_start|> is forced into the row (mask 0, log-prob 0, as
     render_conversation renders a conversation) and the row samples on; or None, and the row ends there. A sampled
     <|bos|> ends a row as always, without asking. Forced tokens take columns of max_new_tokens like sampled ones.
+    `max_turn_tokens` (with respond): a turn that has sampled this many tokens gets its <|assistant_end|> forced
+    (mask 0), and the environment is asked as after a sampled one, so that turns, not the budget, end a babbling row.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -738,22 +740,26 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     done = torch.zeros(N, dtype=torch.bool, device=device)
     forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
     num_forced = torch.zeros(N, dtype=torch.long, device=device)
+    turn_tokens = torch.zeros(N, dtype=torch.long, device=device)  # tokens sampled in each row's current turn
+    cap = max_turn_tokens if respond is not None and max_turn_tokens else max_new_tokens + 1
     stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
     ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device)
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
     for t in range(max_new_tokens):
         ending = ends[rows] == t
-        is_forced = (num_forced > 0) | ending
+        capped = (turn_tokens >= cap) & (num_forced == 0)  # the turn's end forced at --max-turn-tokens
+        is_forced = (num_forced > 0) | ending | capped
         token = torch.where(num_forced > 0, forced[:, 0] if forced.size(1) else sampled, sampled)
-        token = torch.where(ending, tokenizer.assistant_end, token).masked_fill(done, 0)
+        token = torch.where(ending | capped, tokenizer.assistant_end, token).masked_fill(done, 0)
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
         tokens[rows, t] = token
         mask[rows, t] = (~is_forced & ~done).long()
         logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
         # A turn's end in an episode: the row stays running until the environment has said whether it answers.
-        turn_ends = ~done & ~is_forced & (token == tokenizer.assistant_end) & (respond is not None)
-        stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids) & ~turn_ends)
+        turn_ends = ~done & (~is_forced | capped) & (token == tokenizer.assistant_end) & (respond is not None)
+        stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids)) & ~turn_ends
+        turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
         truncated[rows] &= ~stopped
         done |= stopped
@@ -775,6 +781,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if keep is not None:
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
+            turn_tokens = turn_tokens[keep]
             if decode != "dynamic":
                 step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
         sampled, sampled_logprob = step(token, noise[rows, t + 1])

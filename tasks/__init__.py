@@ -20,7 +20,8 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
   (grpo.py's episode_turns: the turns come from the token ids and the sampler's mask, never from decoded text).
   An episode's task is graded once, at its end: reward, reward_parts, evaluate and eval_metrics get the
   conversation with "episode" (all its turns; each assistant turn's "ended": "turn" (it sampled
-  <|assistant_end|>), "quit" (<|bos|>) or "cut" (the token budget)) and the last assistant turn as reply_text;
+  <|assistant_end|>), "capped" (--max-turn-tokens), "quit" (<|bos|>) or "cut" (the token budget)) and the last
+  assistant turn as reply_text;
 - from_flags(split, args) and default_num_steps(args): how grpo.py's flags build the task (None, Task's default:
   one epoch of the train split);
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone

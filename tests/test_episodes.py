@@ -22,16 +22,17 @@ def answering(turns_per_row):
 
     def respond(row, tokens, mask):
         calls.append((row, tokens, mask))
-        done = sum(1 for t, m in zip(tokens, mask) if m and t == TOK.assistant_end)
+        done = tokens.count(TOK.assistant_end)  # sampled, or forced at max_turn_tokens
         return f"again {row}.{done}" if done < turns_per_row[row] else None
     return respond, calls
 
 
-@pytest.mark.parametrize("options", [dict(temperature=1.0, top_k=50, seed=3), dict(temperature=0)])
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_k=50, seed=3, max_turn_tokens=6),
+                                     dict(temperature=0)])
 def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_tokens(options):
-    # Rows end turns at different steps and are answered 0 to 2 times, the batch halving (static, graph: on the CPU
-    # the graph's step runs uncaptured, rebuilt at every halving as on a GPU) as rows end: the dynamic decode's
-    # tokens, masks and lengths; log-probs up to the attention's rounding over masked columns
+    # Rows end turns at different steps (sampled, or forced after 6 sampled tokens) and are answered 0 to 2 times,
+    # the batch halving (static, graph: on the CPU the graph's step runs uncaptured, rebuilt at every halving as on a
+    # GPU) as rows end: the dynamic decode's tokens, masks and lengths; log-probs up to the attention's rounding
     prompts = random_tokens(5, 40, 77)
     model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
     turns = [1, 2, 3, 1, 3, 2, 1, 2, 3, 3, 1, 2]
@@ -47,12 +48,17 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
         torch.testing.assert_close(dynamic["logprobs"], results[decode]["logprobs"], rtol=0, atol=1e-4)
         assert sorted(c[:1] + (tuple(c[1]),) for c in dynamic["calls"]) == \
             sorted(c[:1] + (tuple(c[1]),) for c in results[decode]["calls"])
-    # what was forced is the chat format's user turn, mask 0 and log-prob 0, right after a sampled end of turn
-    answered = 0
+    # what was forced is the chat format's user turn, mask 0 and log-prob 0, right after an end of turn
+    answered = capped = 0
     for row in range(12):
         n = dynamic["lengths"][row].item()
         tokens, mask = dynamic["tokens"][row, :n].tolist(), dynamic["mask"][row, :n].tolist()
-        ends = [i for i in range(n) if mask[i] and tokens[i] == TOK.assistant_end]
+        ends = [i for i in range(n) if tokens[i] == TOK.assistant_end]
+        cap = options.get("max_turn_tokens")
+        for start, end in zip([-1] + ends, ends):  # a turn: its sampled tokens (a capped one's end is forced)
+            sampled = sum(mask[start + 1:end + 1])
+            assert mask[end] == 1 and (cap is None or sampled <= cap) or mask[end] == 0 and sampled == cap
+        capped += sum(mask[i] == 0 for i in ends)
         for k, i in enumerate(ends[:turns[row] - 1]):
             forced = rendered_user_turn(f"again {row}.{k + 1}")
             got = dynamic["tokens"][row, i + 1:i + 1 + len(forced)].tolist()
@@ -61,9 +67,10 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
             assert not dynamic["logprobs"][row, i + 1:i + 1 + len(forced)].any()
             answered += len(got) == len(forced)
         if not dynamic["truncated"][row]:  # it ended at the end of the turn that the environment did not answer
-            assert tokens[-1] in (TOK.assistant_end, TOK.bos) and mask[-1] == 1
+            assert tokens[-1] == TOK.assistant_end or tokens[-1] == TOK.bos and mask[-1] == 1
             assert len(ends) == turns[row] or tokens[-1] == TOK.bos
     assert answered >= 6  # most episodes got their answers in
+    assert (capped > 0) == ("max_turn_tokens" in options)
 
 
 def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_environment():
