@@ -1183,7 +1183,8 @@ def resolve_config(argv=None):
     if args.run_name is None:
         task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
         prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
-        args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
+        retries = f"-attempts{args.attempts}" if args.attempts > 1 else ""  # another trajectory, another folder
+        args.run_name = f"{prefix}{retries}-{args.algo}-seed{args.seed}"
     check_config(args)
     return args
 
