@@ -10,10 +10,10 @@ GUESSES = 4
 
 
 def guesses(conversation, reply_text):
-    """The assistant's guesses so far: a reply that is one digit alone, else None (a wasted guess)."""
+    """The assistant's guesses so far: each reply's first digit, or None for a reply without one (a lost guess)."""
     turns = conversation.get("episode", [{"role": "assistant", "content": reply_text}])
-    replies = [turn["content"].strip() for turn in turns if turn["role"] == "assistant"]
-    return [int(r) if len(r) == 1 and r.isdigit() else None for r in replies]
+    return [next((int(c) for c in turn["content"] if c in "0123456789"), None)
+            for turn in turns if turn["role"] == "assistant"]
 
 
 class GuessDigit(Task):
