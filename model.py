@@ -710,11 +710,11 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
       mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
-        tool forced it and on padding;
+        tool or the environment (respond, max_turn_tokens) forced it and on padding;
       logprobs [N, max_new_tokens]: each sampled token's log-prob under the distribution it was drawn from
         (temperature, top-k renormalised, softcap), 0 for forced tokens and padding;
       lengths [N]: reply length including the stop token and forced tokens;
-      truncated [N]: the reply hit max_new_tokens before a stop token.
+      truncated [N]: the reply (an episode: the whole of it) hit max_new_tokens before a stop token.
     They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
     if decode not in ("auto", "dynamic", "static", "graph"):
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
@@ -748,25 +748,30 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
     for t in range(max_new_tokens):
         ending = ends[rows] == t
-        capped = (turn_tokens >= cap) & (num_forced == 0)  # the turn's end forced at --max-turn-tokens
-        is_forced = (num_forced > 0) | ending | capped
+        forced_end = ending
+        if respond is not None:  # episodes only: a one-turn batch's step does no more work than before
+            capped = (turn_tokens >= cap) & (num_forced == 0)  # the turn's end forced at --max-turn-tokens
+            forced_end = ending | capped
+        is_forced = (num_forced > 0) | forced_end
         token = torch.where(num_forced > 0, forced[:, 0] if forced.size(1) else sampled, sampled)
-        token = torch.where(ending | capped, tokenizer.assistant_end, token).masked_fill(done, 0)
+        token = torch.where(forced_end, tokenizer.assistant_end, token).masked_fill(done, 0)
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
         tokens[rows, t] = token
         mask[rows, t] = (~is_forced & ~done).long()
         logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
-        # A turn's end in an episode: the row stays running until the environment has said whether it answers.
-        turn_ends = ~done & (~is_forced | capped) & (token == tokenizer.assistant_end) & (respond is not None)
-        stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids)) & ~turn_ends
-        turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
+        stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids))
+        if respond is not None:  # a turn's end: the row runs on until the environment has said whether it answers
+            turn_ends = ~done & (~is_forced | capped) & (token == tokenizer.assistant_end)
+            stopped &= ~turn_ends
+            turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
         truncated[rows] &= ~stopped
         done |= stopped
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
         # One host sync per step for the whole batch, not one per row.
-        num_running, any_call, any_turn_end = torch.stack([(~done).sum(), calls.any(), turn_ends.any()]).tolist()
-        if any_turn_end:  # the environment answers, or the episode ends here
+        num_running, any_call, *any_turn_end = torch.stack([(~done).sum(), calls.any()] + (
+            [turn_ends.any()] if respond is not None else [])).tolist()
+        if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
             forced, num_forced, ended = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
                                                      num_forced)
             if ended:
