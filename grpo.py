@@ -3470,9 +3470,11 @@ def compare_runs(run_dirs, plot_path):
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, configurations.values())]
     watched = watched_tasks(configurations.values())
-    table = [COMPARE_HEADER + watched]  # a watched task's column: its eval score at the end
+    episodes = episode_columns([metrics for seeds in configurations.values() for _, _, metrics in seeds])
+    table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
+             + watched]  # a watched task's column: its eval score at the end
     for name, seeds in zip(names, configurations.values()):
-        per_seed = [run_summary(config, metrics, watched) for _, config, metrics in seeds]
+        per_seed = [run_summary(config, metrics, watched, episodes) for _, config, metrics in seeds]
         table.append([name, task_name(seeds[0][1]["task"]), preset_of(seeds[0][1]), seeds[0][1].get("advantage"),
                       len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
@@ -3522,8 +3524,16 @@ def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
 
 
-def run_summary(config, metrics, watched=()):
-    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the watched tasks' last scores."""
+def episode_columns(runs_metrics):
+    """The columns --compare adds where a run has episodes: turns (episode_turns), correct@1..N (--attempts)."""
+    keys = {k for metrics in runs_metrics for m in metrics for k in m
+            if k == "episode_turns" or k.startswith("eval_correct@")}
+    return sorted(keys, key=lambda k: (k != "episode_turns", len(k), k))
+
+
+def run_summary(config, metrics, watched=(), episodes=()):
+    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the episode columns (each the last
+    value logged) and the watched tasks' last scores."""
     train = [m for m in metrics if "reward" in m]
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
@@ -3540,7 +3550,7 @@ def run_summary(config, metrics, watched=()):
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
             last("kl"), last("teacher_kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"),
-            mean_of("tokens_per_s")] + [
+            mean_of("tokens_per_s")] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
 
