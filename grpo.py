@@ -242,11 +242,14 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
         chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode)
+                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode,
+                           respond=episode_responder(task, tokenizer, conversations[i:i + per_call], G, args),
+                           max_turn_tokens=args.max_turn_tokens)
                   for i in range(0, len(prompts), per_call)]
     samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
+    # An episode of several turns is graded once, as a whole (graded: the conversation with its turns, the last reply)
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
-        task.reward_parts(conversations[row // G], reply_text(tokenizer, samples, row))
+        task.reward_parts(*graded(task, tokenizer, conversations[row // G], samples, row))
         for row in range(len(prompts) * G))]).view(len(prompts), G, -1)  # [P, G, terms]
     task_rewards = sum(weight * terms[..., task.reward_terms.index(name)]  # [P, G]
                        for name, weight in args.reward_weights.items())
@@ -754,7 +757,14 @@ arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-co
 arg = parser.add_argument_group("sampling (shared by all presets)").add_argument
 arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
 arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
-arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens")
+arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens (an episode's: "
+    "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)")
+arg("--max-turns", type=count, default=10, help="an episode's assistant turns at most, for a task that answers "
+    "(respond, docs/tasks.md); the environment is not asked after the last")
+arg("--max-turn-tokens", type=count, default=None, help="an episode's assistant turn: tokens sampled at most, "
+    "then its <|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)")
+arg("--attempts", type=count, default=1, help="retries after feedback: a reply that is not correct is answered "
+    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
 arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
 arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
@@ -1196,7 +1206,8 @@ def resolve_config(argv=None):
     if args.run_name is None:
         task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
         prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
-        args.run_name = f"{prefix}-{args.algo}-seed{args.seed}"
+        retries = f"-attempts{args.attempts}" if args.attempts > 1 else ""  # another trajectory, another folder
+        args.run_name = f"{prefix}{retries}-{args.algo}-seed{args.seed}"
     args.run_settings = evaluated_run(args, given)
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
@@ -1271,6 +1282,8 @@ def check_config(args):
                   else f"--distill-coef {args.distill_coef:g}")
     problems = [
         (args.top_k < 0, "--top-k must be >= 0"),
+        (args.attempts > args.max_turns, f"--attempts {args.attempts} needs as many assistant turns an episode: "
+         f"raise --max-turns (now {args.max_turns})"),
         (args.grader not in GRADERS and ":" not in args.grader, f"--grader {args.grader!r} is none of "
          f"{', '.join(GRADERS)}, nor a function as path/to/file.py:fn"),
         (args.prompts_per_step % world_size,
@@ -2582,14 +2595,16 @@ def log_samples(args, run, step, groups, batch):
     order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
     rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
             for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
-    table = []
+    table, episodes = [], []
     for row in rows:
         index = int(groups["indices"][row // G])
-        table.append([step + 1, index, run.train_task[index]["messages"][0]["content"],
-                      reply_text(run.tokenizer, samples, row), rewards.flatten()[row].item(), advantages[row],
-                      int(samples["lengths"][row]), bool(samples["truncated"][row])])
+        conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
+        table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
+                      advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
+        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
     with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values))) + "\n" for values in table)
+        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
+                     for values, episode in zip(table, episodes))
     if run.wandb:
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
@@ -2618,6 +2633,8 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
                  tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
+    episodes = episode_ends(run.tokenizer, samples) if getattr(run.train_task, "respond", None) else {}
+    local.update(episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
     weights_finite = stats.pop("weights_finite")
@@ -2631,6 +2648,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "reply_len": sums["tokens"] / sums["kept_replies"],
                "truncated_frac": sums["truncated"] / sums["kept_replies"],
                "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
+               **{name: sums[name] / sums["kept_replies"] for name in episodes},  # episodes: turns, how they ended
                "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
                "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
                "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
@@ -2647,6 +2665,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
             + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
             + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
+            + (f" | turns {metrics['episode_turns']:.2f}" if episodes else "")
             + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
               f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
               f"| {metrics['tokens_per_s']:.0f} tok/s")
@@ -2763,7 +2782,8 @@ SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss",
          "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
          "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
          "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False,
-         "distill_divergence": "sampled", "distill_top_k": 64}
+         "distill_divergence": "sampled", "distill_top_k": 64, "max_turns": 10, "attempts": 1,
+         "max_turn_tokens": None}
 # Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
 # what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
 # like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
@@ -3140,17 +3160,24 @@ def ask(args, run):
     for note in args.notes:
         run.log(f"note: {note}")
     prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})
+
+    def responder(G):  # an episode's task answers the problems of its own only
+        return episode_responder(task, run.tokenizer, [known], G, args) if known else None
     with run.autocast:
         greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
-                          tool=task.tool)
+                          tool=task.tool, respond=responder(1), max_turn_tokens=args.max_turn_tokens)
         sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
-                           args.temperature, args.top_k, seed=args.seed, tool=task.tool)
+                           args.temperature, args.top_k, seed=args.seed, tool=task.tool,
+                           respond=responder(args.num_samples), max_turn_tokens=args.max_turn_tokens)
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:
-        text = reply_text(run.tokenizer, samples, row)
-        reward = task.reward(known, text) if known else None
+        conversation, text = graded(task, run.tokenizer, known, samples, row) if known else (
+            None, reply_text(run.tokenizer, samples, row))
+        reward = task.reward(conversation, text) if known else None
         replies.append((text, reward))
+        for turn in episode_of(conversation or {}).get("episode", [])[:-1]:  # an episode: its turns, then the last
+            run.log(f"[{label}, {turn['role']}] {turn['content']}")
         run.log(f"[{label}{'' if reward is None else f', reward {reward:g}'}] {text}")
     return replies
 
@@ -3159,6 +3186,81 @@ def reply_text(tokenizer, samples, row):
     """A sampled reply as text for the grader, without its stop token."""
     length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
     return tokenizer.decode(samples["tokens"][row, :length].tolist())
+
+
+# -----------------------------------------------------------------------------
+# Episodes of several turns: the task answers the assistant (tasks/__init__.py, respond)
+
+def episode_turns(tokenizer, tokens, mask):
+    """A row's tokens and sampler mask (lists, up to its length) -> its turns, [{"role", "content"}, ...]. The
+    boundaries come from the ids and the mask, never from decoded text (the model may sample <|user_start|> inside
+    its own turn): an assistant turn ends at <|assistant_end|>, sampled ("ended": "turn") or forced at
+    --max-turn-tokens ("capped": no forced run holds it, a user's message and a tool's output being plain tokens), or
+    at a sampled <|bos|> ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is
+    the user's turn (a run the token budget cut is left out: the model never read it whole); a last turn with no end
+    was cut ("cut")."""
+    turns, start, i = [], 0, 0
+    while i < len(tokens):
+        if tokens[i] == tokenizer.assistant_end or mask[i] and tokens[i] == tokenizer.bos:
+            ended = "quit" if tokens[i] == tokenizer.bos else "turn" if mask[i] else "capped"
+            turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:i]), ended=ended))
+            try:  # the user's message holds no special token: the first forced <|assistant_start|> closes it
+                start = next(j for j in range(i + 1, len(tokens)) if tokens[j] == tokenizer.assistant_start
+                             and not mask[j]) + 1
+            except StopIteration:
+                return turns
+            turns.append(dict(role="user", content=tokenizer.decode(tokens[i + 2:start - 2])))
+            i = start
+            continue
+        i += 1
+    if start < len(tokens):
+        turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
+    return turns
+
+
+def episode_responder(task, tokenizer, conversations, G, args):
+    """-> generate's respond (row, tokens, mask) -> the task's next user message or None, for these conversations
+    (G rows each), at most --max-turns assistant turns an episode; None for a task of one turn."""
+    if getattr(task, "respond", None) is None:
+        return None
+
+    def respond(row, tokens, mask):
+        turns = episode_turns(tokenizer, tokens, mask)
+        if sum(turn["role"] == "assistant" for turn in turns) >= args.max_turns:
+            return None
+        return task.respond(conversations[row // G], turns)
+    return respond
+
+
+def episode_ends(tokenizer, samples):
+    """The step's episodes, summed: episode_turns (assistant turns), and how each ended: episode_end_done (the
+    task ended it, or --max-turns did), episode_end_quit (the model sampled <|bos|>), episode_end_budget (cut at
+    --max-new-tokens, in a turn of either side)."""
+    sums = dict(episode_turns=0, episode_end_done=0, episode_end_quit=0, episode_end_budget=0)
+    tokens, mask = samples["tokens"].tolist(), samples["mask"].tolist()
+    for row, (length, cut) in enumerate(zip(samples["lengths"].tolist(), samples["truncated"].tolist())):
+        turns = [turn for turn in episode_turns(tokenizer, tokens[row][:length], mask[row][:length])
+                 if turn["role"] == "assistant"]
+        sums["episode_turns"] += len(turns)
+        ended = "budget" if cut else "quit" if turns[-1]["ended"] == "quit" else "done"
+        sums[f"episode_end_{ended}"] += 1
+    return sums
+
+
+def episode_of(conversation):
+    """{"episode": its turns} for a graded episode (the samples and eval files show it turn by turn), {} for a
+    one-turn reply."""
+    return {"episode": conversation["episode"]} if "episode" in conversation else {}
+
+
+def graded(task, tokenizer, conversation, samples, row):
+    """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
+    episode's task the conversation with "episode" (its turns) and the last assistant turn."""
+    if getattr(task, "respond", None) is None:
+        return conversation, reply_text(tokenizer, samples, row)
+    length = samples["lengths"][row].item()
+    turns = episode_turns(tokenizer, samples["tokens"][row, :length].tolist(), samples["mask"][row, :length].tolist())
+    return dict(conversation, episode=turns), turns[-1]["content"]
 
 
 def pass_at_k(n, c, k):
@@ -3190,19 +3292,22 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
             continue
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
-            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool)
+            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool,
+                              respond=episode_responder(task, tokenizer, conversations, 1, args),
+                              max_turn_tokens=args.max_turn_tokens)
             sampled = generate(model, tokenizer, prompts, args.pass_k, args.eval_max_new_tokens, args.temperature,
-                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]],
-                               tool=task.tool) if args.pass_k else None
-        for p, conversation in enumerate(conversations):
-            reply = reply_text(tokenizer, greedy, p)
+                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]], tool=task.tool,
+                               respond=episode_responder(task, tokenizer, conversations, args.pass_k, args),
+                               max_turn_tokens=args.max_turn_tokens) if args.pass_k else None
+        for p, example in enumerate(conversations):
+            conversation, reply = graded(task, tokenizer, example, greedy, p)
             reward, metrics = task.reward(conversation, reply), task.eval_metrics(conversation, reply)
             totals[:2 + len(names)] += torch.tensor([1, reward] + [metrics[k] for k in names], dtype=torch.float64)
             replies.append(dict(index=mine[i + p], question=conversation["messages"][0]["content"], reply=reply,
                                 reward=reward, **metrics, length=greedy["lengths"][p].item(),
-                                truncated=bool(greedy["truncated"][p])))
+                                truncated=bool(greedy["truncated"][p]), **episode_of(conversation)))
             if sampled is not None:
-                correct = sum(task.evaluate(conversation, reply_text(tokenizer, sampled, p * args.pass_k + g))
+                correct = sum(task.evaluate(*graded(task, tokenizer, example, sampled, p * args.pass_k + g))
                               for g in range(args.pass_k))
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])
@@ -3545,9 +3650,11 @@ def compare_runs(run_dirs, plot_path):
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, configurations.values())]
     watched = watched_tasks(configurations.values())
-    table = [COMPARE_HEADER + watched]  # a watched task's column: its eval score at the end
+    episodes = episode_columns([metrics for seeds in configurations.values() for _, _, metrics in seeds])
+    table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
+             + watched]  # a watched task's column: its eval score at the end
     for name, seeds in zip(names, configurations.values()):
-        per_seed = [run_summary(config, metrics, watched) for _, config, metrics in seeds]
+        per_seed = [run_summary(config, metrics, watched, episodes) for _, config, metrics in seeds]
         table.append([name, task_name(seeds[0][1]["task"]), preset_of(seeds[0][1]), seeds[0][1].get("advantage"),
                       len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
@@ -3597,8 +3704,16 @@ def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
 
 
-def run_summary(config, metrics, watched=()):
-    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the watched tasks' last scores."""
+def episode_columns(runs_metrics):
+    """The columns --compare adds where a run has episodes: turns (episode_turns), correct@1..N (--attempts)."""
+    keys = {k for metrics in runs_metrics for m in metrics for k in m
+            if k == "episode_turns" or k.startswith("eval_correct@")}
+    return sorted(keys, key=lambda k: (k != "episode_turns", len(k), k))
+
+
+def run_summary(config, metrics, watched=(), episodes=()):
+    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the episode columns (each the last
+    value logged) and the watched tasks' last scores."""
     train = [m for m in metrics if "reward" in m]
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
@@ -3615,7 +3730,7 @@ def run_summary(config, metrics, watched=()):
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
             last("kl"), last("teacher_kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"),
-            mean_of("tokens_per_s")] + [
+            mean_of("tokens_per_s")] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
 

@@ -685,7 +685,7 @@ def sample_tokens(raw_logits, temperature, top_k, uniform, softcap):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, seed=0,
-             tool=None, decode="auto", ends=None):
+             tool=None, decode="auto", ends=None, respond=None, max_turn_tokens=None):
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
@@ -699,15 +699,22 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     a different number of columns; each row's noise is its own, wherever it sits in the batch).
     `ends` (the start-up self-check's): [N] the step at which each row is made to end, its stop token forced as a
     tool's output is (not sampled: mask 0), or -1 (it ends as it comes), so that rows finish at chosen steps.
+    `respond` (an episode of several turns): called as respond(row, tokens, mask), the row's output index and its
+    tokens and mask so far (lists), when a row samples <|assistant_end|>; it returns the next user message as text,
+    and <|user_start|> message <|user_end|> <|assistant_start|> is forced into the row (mask 0, log-prob 0, as
+    render_conversation renders a conversation) and the row samples on; or None, and the row ends there. A sampled
+    <|bos|> ends a row as always, without asking. Forced tokens take columns of max_new_tokens like sampled ones.
+    `max_turn_tokens` (with respond): a turn that has sampled this many tokens gets its <|assistant_end|> forced
+    (mask 0), and the environment is asked as after a sampled one, so that turns, not the budget, end a babbling row.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
       mask [N, max_new_tokens]: 1 where the policy sampled the token (the stop token included), 0 where the
-        tool forced it and on padding;
+        tool or the environment (respond, max_turn_tokens) forced it and on padding;
       logprobs [N, max_new_tokens]: each sampled token's log-prob under the distribution it was drawn from
         (temperature, top-k renormalised, softcap), 0 for forced tokens and padding;
       lengths [N]: reply length including the stop token and forced tokens;
-      truncated [N]: the reply hit max_new_tokens before a stop token.
+      truncated [N]: the reply (an episode: the whole of it) hit max_new_tokens before a stop token.
     They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
     if decode not in ("auto", "dynamic", "static", "graph"):
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
@@ -733,26 +740,44 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     done = torch.zeros(N, dtype=torch.bool, device=device)
     forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
     num_forced = torch.zeros(N, dtype=torch.long, device=device)
+    turn_tokens = torch.zeros(N, dtype=torch.long, device=device)  # tokens sampled in each row's current turn
+    cap = max_turn_tokens if respond is not None and max_turn_tokens else max_new_tokens + 1
     stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
     ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device)
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
     for t in range(max_new_tokens):
         ending = ends[rows] == t
-        is_forced = (num_forced > 0) | ending
+        forced_end = ending
+        if respond is not None:  # episodes only: a one-turn batch's step does no more work than before
+            capped = (turn_tokens >= cap) & (num_forced == 0)  # the turn's end forced at --max-turn-tokens
+            forced_end = ending | capped
+        is_forced = (num_forced > 0) | forced_end
         token = torch.where(num_forced > 0, forced[:, 0] if forced.size(1) else sampled, sampled)
-        token = torch.where(ending, tokenizer.assistant_end, token).masked_fill(done, 0)
+        token = torch.where(forced_end, tokenizer.assistant_end, token).masked_fill(done, 0)
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
         tokens[rows, t] = token
         mask[rows, t] = (~is_forced & ~done).long()
         logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
         stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids))
+        if respond is not None:  # a turn's end: the row runs on until the environment has said whether it answers
+            turn_ends = ~done & (~is_forced | capped) & (token == tokenizer.assistant_end)
+            stopped &= ~turn_ends
+            turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
         truncated[rows] &= ~stopped
         done |= stopped
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
         # One host sync per step for the whole batch, not one per row.
-        num_running, any_call = torch.stack([(~done).sum(), calls.any()]).tolist()
+        num_running, any_call, *any_turn_end = torch.stack([(~done).sum(), calls.any()] + (
+            [turn_ends.any()] if respond is not None else [])).tolist()
+        if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
+            forced, num_forced, ended = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
+                                                     num_forced)
+            if ended:
+                ended = torch.tensor(ended, device=device)
+                lengths[rows[ended]], truncated[rows[ended]], done[ended] = t + 1, False, True
+                num_running -= len(ended)
         if num_running == 0 or t == max_new_tokens - 1:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
@@ -761,6 +786,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if keep is not None:
             cache.select(keep)
             rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
+            turn_tokens = turn_tokens[keep]
             if decode != "dynamic":
                 step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
         sampled, sampled_logprob = step(token, noise[rows, t + 1])
@@ -800,6 +826,26 @@ def call_tool(tool, tokenizer, replies, calls, forced, num_forced):
             forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
             num_forced[i] = len(queue)
     return forced, num_forced
+
+
+def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced):
+    """The rows that just ended a turn (turn_ends [B]): the environment's answer to each queued to be forced, as
+    call_tool's are -> (forced, num_forced, the rows whose episode ends here: batch indices, a list)."""
+    ended = []
+    running = turn_ends.nonzero().flatten().tolist()
+    outputs = rows[running].tolist()
+    replies, masks = tokens[outputs, :t + 1].tolist(), mask[outputs, :t + 1].tolist()  # one copy each
+    for i, row, reply, reply_mask in zip(running, outputs, replies, masks):
+        message = respond(row, reply, reply_mask)
+        if message is None:
+            ended.append(i)
+            continue
+        queue = [tokenizer.user_start] + tokenizer.encode(message) + [tokenizer.user_end, tokenizer.assistant_start]
+        if len(queue) > forced.size(1):
+            forced = F.pad(forced, (0, len(queue) - forced.size(1)))
+        forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
+        num_forced[i] = len(queue)
+    return forced, num_forced, ended
 
 
 def rows_to_keep(done, num_running, decode):

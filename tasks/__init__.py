@@ -14,6 +14,14 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - score: the eval metric that ranks runs in --compare (eval_<score>);
 - tool: None, or a function that the sampler runs on the text between <|python_start|> and <|python_end|>,
   its string result forced into the reply;
+- respond: None (one assistant turn, the default), or a method respond(conversation, episode) -> the next user
+  message (text), or None to end the episode: called after each assistant turn that ends in <|assistant_end|>, with
+  episode the turns so far, [{"role": "assistant" | "user", "content": str}, ...], ending with the assistant's
+  (grpo.py's episode_turns: the turns come from the token ids and the sampler's mask, never from decoded text).
+  An episode's task is graded once, at its end: reward, reward_parts, evaluate and eval_metrics get the
+  conversation with "episode" (all its turns; each assistant turn's "ended": "turn" (it sampled
+  <|assistant_end|>), "capped" (--max-turn-tokens), "quit" (<|bos|>) or "cut" (the token budget)) and the last
+  assistant turn as reply_text;
 - from_flags(split, args) and default_num_steps(args): how grpo.py's flags build the task (None, Task's default:
   one epoch of the train split);
 - fingerprint(): the sha256 of the data files read, or None where the data is a function of the flags alone
@@ -42,6 +50,7 @@ class Task:
     """What the tasks share: no tool, runs ranked by eval_reward, one reward term, the share of correct replies as
     the eval metric, and indexing that ends at the last example (len and example(index) are the task's own)."""
     tool = None
+    respond = None  # one assistant turn; a method respond(conversation, episode) makes episodes of several
     score = "reward"
     reward_terms = ("reward",)
     data_flags = {"train": "--task", "test": "--task-test"}  # the flags that name its data (a resume's messages)
@@ -270,6 +279,21 @@ class OwnTask:
                                                                     "every reply")
 
     @property
+    def respond(self):
+        respond = getattr(self.task, "respond", None)
+        if respond is None:
+            return None
+
+        def checked(conversation, episode):
+            where = f"--task {self.spec}: respond after the reply {episode[-1]['content'][:60]!r}"
+            result = user_call(where, respond, conversation, episode)
+            if result is not None and not isinstance(result, str):
+                raise GraderError(f"{where} returned {shown(result)}: return the next user message as text, or None "
+                                  "to end the episode")
+            return result
+        return checked
+
+    @property
     def tool(self):
         tool = self.task.tool
         if tool is None:
@@ -315,11 +339,18 @@ def build(spec, split, args):
     (its OSError or ValueError is its own word on its data, one line as the built-in tasks' are)."""
     cls = task_class(spec)
     if spec.endswith(".jsonl"):
-        return cls.from_flags(split, args, spec)
-    if spec in BUILTIN:
-        return cls.from_flags(split, args)
-    task = user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args, passes=(OSError, ValueError))
-    return OwnTask(task, spec, split)
+        task = cls.from_flags(split, args, spec)
+    elif spec in BUILTIN:
+        task = cls.from_flags(split, args)
+    else:
+        task = OwnTask(user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args,
+                                 passes=(OSError, ValueError)), spec, split)
+    if getattr(args, "attempts", 1) == 1:
+        return task
+    if getattr(task, "respond", None) is not None:
+        raise ValueError(f"--task {spec} answers the assistant itself (respond): --attempts {args.attempts} would "
+                         "replace its answers; leave --attempts out")
+    return Attempts(task, args.attempts)
 
 
 def default_num_steps(spec, args):
@@ -331,6 +362,40 @@ def default_num_steps(spec, args):
     where = f"--task {spec}: default_num_steps(args)"
     steps = user_call(where, cls.default_num_steps, args)
     return None if steps is None else OwnTask.count(where, steps, "a number of steps (or None: one epoch)")
+
+class Attempts:
+    """--attempts N: any graded task as an episode of up to N attempts (Chung, Du, Fu 2025, "Learning from Failures
+    in Multi-Attempt Reinforcement Learning"): a reply that evaluate finds wrong is answered
+        Your answer is wrong. Try again (K attempts left).
+    (K: the attempts still open, the next one included) until one is right or the N are spent. Its reward is the
+    task's reward of the last attempt, undiscounted, as in the paper (right at any attempt earns a right reply's
+    reward; the paper's rewards are +1 right, -0.5 wrong but well formed, -1 else: here the task's own). Its eval
+    metrics are the task's, of the last attempt, and correct@1 .. correct@N: right within the first k attempts."""
+
+    def __init__(self, task, attempts):
+        self.task, self.attempts = task, attempts
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, index):
+        return self.task[index]
+
+    def respond(self, conversation, episode):
+        replies = [turn["content"] for turn in episode if turn["role"] == "assistant"]
+        left = self.attempts - len(replies)
+        if left <= 0 or self.task.evaluate(conversation, replies[-1]):
+            return None
+        return f"Your answer is wrong. Try again ({left} attempt{'s' if left > 1 else ''} left)."
+
+    def eval_metrics(self, conversation, reply_text):
+        turns = conversation.get("episode", [{"role": "assistant", "content": reply_text}])
+        right = [self.task.evaluate(conversation, turn["content"]) for turn in turns if turn["role"] == "assistant"]
+        return dict(self.task.eval_metrics(conversation, reply_text),
+                    **{f"correct@{k}": float(any(right[:k])) for k in range(1, self.attempts + 1)})
 
 
 def code_fingerprint(spec):

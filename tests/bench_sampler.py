@@ -6,6 +6,7 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
     python tests/bench_sampler.py --generation classic smear-backout --repeats 5   # oldest vs newest nanochat GPT
     python tests/bench_sampler.py --decode static --compile   # the decode step of static shapes, compiled
     python tests/bench_sampler.py --real-lengths --max-new-tokens 256 --decode static   # replies end at GSM8K's lengths
+    python tests/bench_sampler.py --attempts 3 --max-new-tokens 32   # episodes of 3 turns of 32 sampled tokens
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
@@ -13,6 +14,9 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
 The random model never emits a stop token, so every row generates exactly --max-new-tokens tokens; with
 --real-lengths each batched reply stops where a GSM8K answer would (tests/bench_shared.py), the other ways skipped.
 With several generations (same shape), their timings interleave, so that a busy machine slows them alike.
+--attempts K: batched episodes of K turns, each of --max-new-tokens sampled tokens (its end forced there,
+--max-turn-tokens) and answered by a --attempts feedback message forced into the row, against single-turn replies
+of as many sampled tokens: what the environment's forced tokens cost, a decode step each.
 """
 import argparse
 import os
@@ -42,6 +46,7 @@ parser.add_argument("--compile", action="store_true", help="the static decode st
 parser.add_argument("--real-lengths", action="store_true", help="batched replies stop at GSM8K's answer lengths")
 parser.add_argument("--gsm8k-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))
 parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_shared.py")
+parser.add_argument("--attempts", type=int, default=0, help="episodes of this many turns against single-turn replies")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -85,6 +90,26 @@ def naive_one_prompt(model):
     return args.samples * args.max_new_tokens
 
 
+FEEDBACK = "Your answer is wrong. Try again (2 attempts left)."  # as --attempts 3 words it
+
+
+def single_turn(model):
+    out = generate(model, tokenizer, prompts, args.samples, args.attempts * args.max_new_tokens, temperature=1.0,
+                   top_k=50, decode=args.decode)
+    return int(out["lengths"].sum())
+
+
+def episodes(model):
+    def respond(row, tokens, mask):
+        return FEEDBACK if tokens.count(tokenizer.assistant_end) < args.attempts else None
+    forced = len(tokenizer.encode(FEEDBACK)) + 3  # <|user_start|> .. <|user_end|><|assistant_start|>
+    total = args.attempts * (args.max_new_tokens + 1) + (args.attempts - 1) * forced
+    out = generate(model, tokenizer, prompts, args.samples, total, temperature=1.0, top_k=50, decode=args.decode,
+                   respond=respond, max_turn_tokens=args.max_new_tokens)
+    assert int(out["lengths"].sum()) == len(out["lengths"]) * total  # every turn ran to its cap, every answer forced
+    return int(out["mask"].sum())  # sampled tokens, as the single-turn way counts
+
+
 lengths = None
 if args.real_lengths:
     lengths = gsm8k_reply_lengths(tokenizer, args.gsm8k_dir, args.bytes_per_token, args.prompts * args.samples,
@@ -93,8 +118,13 @@ if args.real_lengths:
 with autocast:
     for model in models.values():
         generate(model, tokenizer, prompts[:2], 2, 4, top_k=50, decode=args.decode)  # warm-up (and compile)
-    for name, fn in [("batched, one call", batched), ("one prompt per call", one_prompt_per_call),
-                     ("naive, no cache (1 prompt)", naive_one_prompt)][:1 if args.real_lengths else 3]:
+    ways = [("batched, one call", batched), ("one prompt per call", one_prompt_per_call),
+            ("naive, no cache (1 prompt)", naive_one_prompt)][:1 if args.real_lengths else 3]
+    if args.attempts:
+        ways = [(f"single turn, {args.attempts} x", single_turn), (f"{args.attempts}-turn episodes", episodes)]
+        print(f"an episode: {args.attempts} x {args.max_new_tokens} sampled tokens, {args.attempts - 1} forced user "
+              f"turns of {len(tokenizer.encode(FEEDBACK)) + 3} tokens, {args.attempts} forced ends")
+    for name, fn in ways:
         runs = {generation: [] for generation in models}
         for _ in range(args.repeats):
             for generation, model in models.items():

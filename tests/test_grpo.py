@@ -872,6 +872,10 @@ RANK_SETTINGS = {
     # the resume runs' single-process run, finished before the launch)
     "distill-forward": ["--optimizer", "adamw", "--algo", "distill", "--teacher", "{resume-single}",
                         "--distill-divergence", "forward", "--distill-top-k", "8"],
+    # episodes of several turns (the task answers: user turns forced into rows), their evals on each rank's problems;
+    # the random model's rewards are all 0 here, the entropy bonus (over sampled tokens only) moves the weights
+    "episodes": ["--optimizer", "adamw", "--task", os.path.join(ROOT, "docs", "examples", "guess_digit.py:GuessDigit"),
+                 "--max-new-tokens", "24", "--entropy-coef", "0.01"],
 }
 
 
@@ -1014,6 +1018,9 @@ def test_ddp_steps_equal_single_process_steps(rank_runs, setting):
     train = [[m for m in log if "reward" in m] for log in logs]
     assert train[0][0]["reward"] == train[1][0]["reward"]
     assert abs(train[0][0]["loss"] - train[1][0]["loss"]) <= SAME_STEP_SHARE * abs(train[0][0]["loss"])
+    if setting == "episodes":  # the same episodes: their turns and how they ended, counted over the ranks
+        assert [[m[k] for m in log for k in m if k.startswith("episode_")] for log in train] == [
+            [m[k] for m in train[0] for k in m if k.startswith("episode_")]] * 2 and train[0][0]["episode_turns"] > 1
     if setting == "distill-forward":  # the teacher's term, as one process takes it: a mean of per-token KLs (>= 0)
         assert train[0][0]["teacher_kl"] > 0
         assert_same_sum(train[0][0]["teacher_kl"], train[1][0]["teacher_kl"], train[0][0]["tokens_sampled"])

@@ -1,0 +1,342 @@
+"""Episodes of several turns: a task that answers the assistant (tasks/__init__.py, respond), the sampler forcing
+its turns (model.generate's respond), their masking, grading and errors."""
+import json
+
+import pytest
+import torch
+
+import grpo
+from model import generate
+from test_generations import TOK, random_model, random_tokens, replies_that_end_at_different_steps
+from test_own_tasks import TASK_FILE, base_flags
+
+
+def rendered_user_turn(message):
+    return [TOK.user_start] + TOK.encode(message) + [TOK.user_end, TOK.assistant_start]
+
+
+def answering(turns_per_row):
+    """respond: row r is answered 'again r.k' after its turns 1 .. turns_per_row[r] - 1, then its episode ends.
+    -> (respond, the calls it got: (row, tokens, mask))."""
+    calls = []
+
+    def respond(row, tokens, mask):
+        calls.append((row, tokens, mask))
+        done = tokens.count(TOK.assistant_end)  # sampled, or forced at max_turn_tokens
+        return f"again {row}.{done}" if done < turns_per_row[row] else None
+    return respond, calls
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_k=50, seed=3, max_turn_tokens=6),
+                                     dict(temperature=0)])
+def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_tokens(options):
+    # Rows end turns at different steps (sampled, or forced after 6 sampled tokens) and are answered 0 to 2 times,
+    # the batch halving (static, graph: on the CPU the graph's step runs uncaptured, rebuilt at every halving as on a
+    # GPU) as rows end: the dynamic decode's tokens, masks and lengths; log-probs up to the attention's rounding
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    turns = [1, 2, 3, 1, 3, 2, 1, 2, 3, 3, 1, 2]
+    results = {}
+    for decode in ("dynamic", "static", "graph"):
+        respond, calls = answering(turns)
+        results[decode] = generate(model, TOK, prompts, 4, 60, decode=decode, respond=respond, **options)
+        results[decode]["calls"] = calls
+    dynamic = results["dynamic"]
+    for decode in ("static", "graph"):
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            assert torch.equal(dynamic[key], results[decode][key]), (decode, key)
+        torch.testing.assert_close(dynamic["logprobs"], results[decode]["logprobs"], rtol=0, atol=1e-4)
+        assert sorted(c[:1] + (tuple(c[1]),) for c in dynamic["calls"]) == \
+            sorted(c[:1] + (tuple(c[1]),) for c in results[decode]["calls"])
+    # what was forced is the chat format's user turn, mask 0 and log-prob 0, right after an end of turn
+    answered = capped = 0
+    for row in range(12):
+        n = dynamic["lengths"][row].item()
+        tokens, mask = dynamic["tokens"][row, :n].tolist(), dynamic["mask"][row, :n].tolist()
+        ends = [i for i in range(n) if tokens[i] == TOK.assistant_end]
+        cap = options.get("max_turn_tokens")
+        for start, end in zip([-1] + ends, ends):  # a turn: its sampled tokens (a capped one's end is forced)
+            sampled = sum(mask[start + 1:end + 1])
+            assert mask[end] == 1 and (cap is None or sampled <= cap) or mask[end] == 0 and sampled == cap
+        capped += sum(mask[i] == 0 for i in ends)
+        for k, i in enumerate(ends[:turns[row] - 1]):
+            forced = rendered_user_turn(f"again {row}.{k + 1}")
+            got = dynamic["tokens"][row, i + 1:i + 1 + len(forced)].tolist()
+            assert got == forced[:len(got)]
+            assert not any(mask[i + 1:i + 1 + len(forced)])
+            assert not dynamic["logprobs"][row, i + 1:i + 1 + len(forced)].any()
+            answered += len(got) == len(forced)
+        if not dynamic["truncated"][row]:  # it ended at the end of the turn that the environment did not answer
+            assert tokens[-1] == TOK.assistant_end or tokens[-1] == TOK.bos and mask[-1] == 1
+            assert len(ends) == turns[row] or tokens[-1] == TOK.bos
+    assert answered >= 6  # most episodes got their answers in
+    assert (capped > 0) == ("max_turn_tokens" in options)
+
+
+def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_environment():
+    prompts = random_tokens(5, 40, 77)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    for decode in ("dynamic", "static"):
+        alone = generate(model, TOK, prompts, 4, 40, seed=3, decode=decode)
+        silent = generate(model, TOK, prompts, 4, 40, seed=3, decode=decode, respond=lambda row, tokens, mask: None)
+        for key in alone:
+            assert torch.equal(alone[key], silent[key]), key
+
+
+def test_the_environments_tokens_get_exactly_zero_gradient():
+    # An episode batch (user turns forced into rows) through make_batch and the objective, every term on (policy,
+    # KL to a reference, entropy bonus), in float64, against a loss written here over the sampled tokens alone,
+    # found from generate's mask: the same gradient up to float64 rounding, and exactly 0 at the forced positions
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts).double()
+    respond, _ = answering([3] * 8)
+    samples = generate(model, TOK, prompts, 4, 40, seed=3, respond=respond)
+    args = grpo.resolve_config(["--demo", "--aggregation", "token", "--kl-coef", "0.1", "--kl-estimator", "k3",
+                                "--entropy-coef", "0.01", "--num-samples", "4", "--clip-eps", "0.2"])
+    rewards = torch.arange(8, dtype=torch.float32).view(2, 4) % 3
+    batch = grpo.make_batch(prompts, samples, rewards, args)
+    ids, targets = batch["input_ids"], batch["target_ids"]
+    logprobs, entropy = model.token_logprobs(ids, targets, with_entropy=True)
+    noise = torch.Generator().manual_seed(0)
+    old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
+    ref = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
+    frozen = dict(old=old, sampler=old, ref=ref, teacher=None, teacher_top=None)
+    advantages = batch["advantages"].double()[:, None]
+    mask = batch["loss_mask"].double()
+    loss, _ = grpo.objective(logprobs, entropy, frozen, advantages, mask, mask.sum(), args)
+
+    # the hand-written loss: only positions where generate sampled (mask 1), found from its own outputs
+    sampled = []
+    for row in range(8):
+        offset = len(prompts[row // 4]) - 1  # the reply's first token is predicted at the prompt's last position
+        sampled += [(row, offset + t) for t in range(samples["lengths"][row]) if samples["mask"][row, t]]
+    assert len(sampled) < sum(samples["lengths"].tolist())  # forced tokens are there, left out here
+
+    def hand_written(order):
+        total = 0.0
+        for row, pos in order:
+            lp, a = logprobs[row, pos], advantages[row, 0]
+            ratio = torch.exp(lp - old[row, pos])
+            policy = -torch.minimum(ratio * a, ratio.clamp(1 - args.clip_eps, 1 + args.clip_eps_high) * a)
+            kl = torch.exp(ref[row, pos] - lp) - (ref[row, pos] - lp) - 1
+            total = total + policy + args.kl_coef * kl - args.entropy_coef * entropy[row, pos]
+        return total / len(order)
+
+    def grads(value):
+        inputs = list(model.parameters()) + [logprobs, entropy]
+        return torch.cat([g.flatten() for g in torch.autograd.grad(value, inputs, retain_graph=True)])
+    got, want, permuted = grads(loss), grads(hand_written(sampled)), grads(hand_written(sampled[::-1]))
+    rounding = (want - permuted).abs().max() + torch.finfo(torch.float64).eps * want.abs().max()
+    assert (got - want).abs().max() <= 8 * rounding
+    # d loss / d log-prob and d loss / d entropy: exactly 0 wherever the sampler did not sample
+    lp_grad, ent_grad = torch.autograd.grad(loss, [logprobs, entropy], retain_graph=True)
+    forced = torch.ones_like(mask, dtype=torch.bool)
+    for row, pos in sampled:
+        forced[row, pos] = False
+    assert not lp_grad[forced].any() and not ent_grad[forced].any() and lp_grad[~forced].abs().sum() > 0
+
+
+ENVIRONMENTS = TASK_FILE + '''
+
+class Silent(Reverse):  # answers no turn: every episode is one turn
+    def respond(self, conversation, episode):
+        return None
+
+
+class Raises(Reverse):
+    def respond(self, conversation, episode):
+        raise KeyError("state")
+
+
+class NotText(Reverse):
+    def respond(self, conversation, episode):
+        return 3
+
+
+class Exits(Reverse):
+    def respond(self, conversation, episode):
+        sys.exit(0)
+'''
+
+
+def read_run(tmp_path, name):
+    run = tmp_path / "runs" / name
+    timings = ("time", "tokens_per_s", "peak_mem")  # the machine's, not the run's
+    metrics = [{k: v for k, v in json.loads(line).items() if not any(s in k for s in timings)}
+               for line in open(run / "metrics.jsonl")]
+    weights = torch.load(max((run / "chatrl_checkpoints").glob("*/model_*.pt")), weights_only=True)  # the last
+    return metrics, weights
+
+
+def test_a_task_that_answers_no_turn_is_todays_run_byte_for_byte(tmp_path, monkeypatch):
+    # The episode machinery on (respond asked at every end of turn, --attempts 1, --max-turns): the same metrics
+    # and weights as the plain task's run, to the bit
+    (tmp_path / "own.py").write_text("import sys\n" + ENVIRONMENTS)
+    asked, responder = [], grpo.episode_responder
+
+    def counting(task, *rest):
+        respond = responder(task, *rest)
+        return respond and (lambda *a: asked.append(1) or respond(*a))
+    monkeypatch.setattr(grpo, "episode_responder", counting)
+    flags = ["--num-steps", "2", "--eval-every", "2", "--max-new-tokens", "12"]
+    grpo.main(base_flags(tmp_path, "plain", "--task", f"{tmp_path / 'own.py'}:Reverse", *flags))
+    grpo.main(base_flags(tmp_path, "silent", "--task", f"{tmp_path / 'own.py'}:Silent", "--attempts", "1",
+                         "--max-turns", "3", *flags))
+    assert asked  # rows ended their turns and the task was asked
+    (plain, plain_weights), (silent, silent_weights) = read_run(tmp_path, "plain"), read_run(tmp_path, "silent")
+    episodes = [{k: m.pop(k) for k in list(m) if k.startswith("episode_")} for m in silent]  # logged for episodes
+    assert plain == silent
+    assert all(e["episode_turns"] == 1 and e["episode_end_quit"] + e["episode_end_done"] + e["episode_end_budget"]
+               == 1 for e in episodes if e)
+    assert plain_weights.keys() == silent_weights.keys()
+    assert all(torch.equal(plain_weights[k], silent_weights[k]) for k in plain_weights)
+
+
+class Endless:
+    """A task whose environment answers every turn: --max-turns and the token budget end its episodes."""
+    def respond(self, conversation, episode):
+        return "again"
+
+
+def test_an_environment_that_never_ends_is_ended_by_max_turns_and_its_episodes_read_back_turn_by_turn():
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    args = grpo.resolve_config(["--demo", "--max-turns", "3"])
+    conversations = [{"messages": [{"role": "user", "content": "x"}]}] * 2
+    respond = grpo.episode_responder(Endless(), TOK, conversations, 4, args)
+    samples = generate(model, TOK, prompts, 4, 80, seed=3, respond=respond)
+    counts = []
+    for row in range(8):
+        conversation, reply = grpo.graded(Endless(), TOK, conversations[0], samples, row)
+        turns = conversation["episode"]
+        assistant = [turn for turn in turns if turn["role"] == "assistant"]
+        counts.append(len(assistant))
+        assert [turn["role"] for turn in turns] == ["assistant", "user"] * (len(assistant) - 1) + ["assistant"]
+        assert all(turn["content"] == "again" for turn in turns if turn["role"] == "user") and reply == turns[-1][
+            "content"]
+        if not samples["truncated"][row]:  # ended: at the third turn's end, or by <|bos|>
+            assert len(assistant) == 3 or assistant[-1]["ended"] == "quit"
+        # each sampled end of turn but the last is followed by the forced user turn
+        n = samples["lengths"][row].item()
+        tokens, mask = samples["tokens"][row, :n].tolist(), samples["mask"][row, :n].tolist()
+        ends = [i for i in range(n) if mask[i] and tokens[i] in (TOK.assistant_end, TOK.bos)]
+        assert len(ends) == len(assistant) - (assistant[-1]["ended"] == "cut")
+        for i in ends[:len(assistant) - 1]:
+            assert tokens[i + 1:i + 1 + len(rendered_user_turn("again"))] == rendered_user_turn("again")
+    assert max(counts) == 3 and min(counts) < 3
+
+
+@pytest.mark.parametrize("name,said", [
+    ("Raises", "raised KeyError: 'state' (own.py line {line}, in respond)"),
+    ("NotText", "returned 3: return the next user message as text, or None to end the episode"),
+    ("Exits", "called sys.exit(0) (own.py line {line}, in respond): it must return"),
+])
+def test_an_environment_that_misbehaves_is_one_line_naming_respond(tmp_path, name, said):
+    source = "import sys\n" + ENVIRONMENTS
+    (tmp_path / "own.py").write_text(source)
+    spec = f"{tmp_path / 'own.py'}:{name}"
+    line = 1 + source.split("\n").index(f"class {name}(Reverse):") + 2
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, name, "--task", spec, "--num-steps", "1", "--eval-every", "0",
+                             "--max-new-tokens", "24"))
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --task {spec}: respond after the reply ") and "\n" not in message, message
+    assert said.format(line=line) in message, message
+
+
+class Answer42:
+    """A graded task of one turn: right when the reply is 42; reward 1 right, 0.5 for a number, else 0."""
+    reward_terms = ("reward",)
+
+    def evaluate(self, conversation, reply_text):
+        return reply_text == "42"
+
+    def reward_parts(self, conversation, reply_text):
+        return {"reward": 1.0 if reply_text == "42" else 0.5 if reply_text.isdigit() else 0.0}
+
+    def eval_metrics(self, conversation, reply_text):
+        return {"correct": float(self.evaluate(conversation, reply_text))}
+
+
+def episode(*replies):
+    turns = []
+    for reply in replies:
+        turns += [dict(role="assistant", content=reply, ended="turn"), dict(role="user", content="...")]
+    return turns[:-1]
+
+
+def test_attempts_answer_a_wrong_reply_until_it_is_right_or_the_attempts_are_spent():
+    from tasks import Attempts
+    task, conversation = Attempts(Answer42(), 3), {"messages": [{"role": "user", "content": "6 x 7?"}]}
+    assert task.respond(conversation, episode("41")) == "Your answer is wrong. Try again (2 attempts left)."
+    assert task.respond(conversation, episode("41", "40")) == "Your answer is wrong. Try again (1 attempt left)."
+    assert task.respond(conversation, episode("41", "40", "x")) is None  # spent
+    assert task.respond(conversation, episode("42")) is None and task.respond(conversation, episode("1", "42")) is None
+    # the reward is the last attempt's, undiscounted; correct@k: right within the first k attempts
+    graded = dict(conversation, episode=episode("x", "42"))
+    assert task.reward_parts(graded, "42") == {"reward": 1.0}
+    assert task.eval_metrics(graded, "42") == {"correct": 1.0, "correct@1": 0.0, "correct@2": 1.0, "correct@3": 1.0}
+    spent = dict(conversation, episode=episode("x", "7", "8"))
+    assert task.reward_parts(spent, "8") == {"reward": 0.5}
+    assert task.eval_metrics(spent, "8") == {"correct": 0.0, "correct@1": 0.0, "correct@2": 0.0, "correct@3": 0.0}
+
+
+def test_the_example_environment_pays_for_reading_the_answers():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("guess_digit", "docs/examples/guess_digit.py")
+    game = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(game)
+    task = game.GuessDigit("test")
+
+    def play(policy):  # policy(low, high, guesses so far) -> a guess; the mean reward over the test split
+        total = 0.0
+        for index in range(len(task)):
+            conversation, turns, low, high = task[index], [], 0, 9
+            while True:
+                guess = policy(low, high, len(turns) // 2)
+                turns.append(dict(role="assistant", content=f" {guess}\n", ended="turn"))
+                answer = task.respond(conversation, turns)
+                if answer is None:
+                    break
+                low, high = (guess + 1, high) if answer == "higher" else (low, guess - 1)
+                turns.append(dict(role="user", content=answer))
+            total += task.reward(dict(conversation, episode=turns), turns[-1]["content"])
+        return total / len(task)
+    blind, search = play(lambda low, high, k: k), play(lambda low, high, k: (low + high) // 2)
+    assert blind < 0.3 < 0.45 < search  # about 0.25 and 0.525 on a uniform digit
+    assert task.respond(task[0], [dict(role="assistant", content="seven", ended="turn")]) == "a digit"
+
+
+def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_episode_flags(
+        tmp_path, run_killed_after_first_save, capsys):
+    flags = base_flags(tmp_path, "guess", "--task", "docs/examples/guess_digit.py:GuessDigit", "--max-turns", "4",
+                       "--max-new-tokens", "24", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
+                       "--log-samples", "2")
+    run_killed_after_first_save(flags)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--max-turns", "3", "--resume"])
+    assert str(stop.value.code).startswith("error: --resume with flags that differ from the run's (max_turns)")
+    assert "attempts" not in grpo.NOT_TRAJECTORY  # refused the same way
+    grpo.main(flags + ["--resume"])
+    grpo.main([f if f != "guess" else "whole" for f in flags])  # the same run, never stopped: the same steps
+    (resumed, resumed_weights), (whole, whole_weights) = read_run(tmp_path, "guess"), read_run(tmp_path, "whole")
+    assert [m for m in resumed if "reward" in m] == [m for m in whole if "reward" in m]
+    assert all(torch.equal(resumed_weights[k], whole_weights[k]) for k in whole_weights)
+    metrics = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "metrics.jsonl")]
+    steps = [m for m in metrics if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2] and all(1 <= m["episode_turns"] <= 4 for m in steps)
+    assert all(abs(m["episode_end_done"] + m["episode_end_quit"] + m["episode_end_budget"] - 1) < 1e-9 for m in steps)
+    samples = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "samples.jsonl")]
+    assert all(s["episode"][-1]["role"] == "assistant" and s["reply"] == s["episode"][-1]["content"] for s in samples)
+    assert "| turns " in capsys.readouterr().out
+    table = grpo.compare_runs([str(tmp_path / "runs" / "guess")], str(tmp_path / "c.png"))  # --compare: turns too
+    assert table[1][table[0].index("turns")] == steps[-1]["episode_turns"]
+
+
+def test_attempts_need_the_turns_and_a_task_that_does_not_answer_itself(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "a", "--attempts", "3", "--max-turns", "2"))
+    assert stop.value.code == 2
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "b", "--task", "docs/examples/guess_digit.py:GuessDigit", "--attempts", "2"))
+    assert "answers the assistant itself (respond): --attempts 2 would replace its answers" in str(stop.value.code)
