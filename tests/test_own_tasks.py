@@ -447,8 +447,8 @@ def test_the_readmes_own_task_commands_run_as_written_on_the_files_that_ship(tmp
     short = ["--num-steps", "2", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
              "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4", "--save-every", "0",
              "--eval-max-new-tokens", "6", "--runs-dir", str(tmp_path / "runs")]
-    for argv in scratch:
-        grpo.main(argv + short)
+    for argv in scratch:  # in order: the grader function's run goes on from the first run (--init runs/...)
+        grpo.main([str(tmp_path / word) if word.startswith("runs/") else word for word in argv] + short)
     assert sorted(os.listdir(tmp_path / "runs")) == ["demo-attempts3-grpo-seed0", "demo-guessdigit-grpo-seed0",
                                                      "demo-max3-grpo-seed0", "max3-own-grader"]
     for run in ("demo-max3-grpo-seed0", "max3-own-grader"):
@@ -1050,7 +1050,7 @@ class Late(Reverse):
 @pytest.mark.parametrize("body,said", [
     ("class Bare:  # not a subclass of Task: the methods Task would give are its own to write\n"
      "    from_flags = reward = evaluate = eval_metrics = __len__ = __getitem__ = lambda *a: None",
-     "is not a task: it lacks tool, score, reward_terms, data_flags, epochs_end, reward_parts, fingerprint, "
+     "is not a task: it lacks tool, respond, score, reward_terms, data_flags, epochs_end, reward_parts, fingerprint, "
      "default_num_steps, longest_prompt (subclass tasks.Task for its defaults"),
     ("class Bare(Reverse):\n    example = None", "is not a task: it lacks example (subclass tasks.Task"),
     ("class Bare(Reverse):\n    reward_terms = ()", "reward_terms is (): give a tuple of the reward terms' names"),
