@@ -1152,7 +1152,7 @@ def on_gpu(args):
 # test problems) and how its replies were sampled. The other flags shaped weights that the checkpoint holds.
 EVALUATION_SETTINGS = ("task", "task_test", "grader", "calculator", "eval_task", "gsm8k_dir", "sort_length", "seed",
                        "temperature", "top_k", "num_samples", "eval_max_new_tokens", "pass_k", "eval_examples",
-                       "final_eval_examples")
+                       "final_eval_examples", "attempts", "max_turns", "max_turn_tokens")
 # ...and what it never reads from the run, --resume or not: this machine's and this process's settings
 THIS_MACHINE = ("device", "dtype", "self_check", "dist_timeout", "runs_dir", "run_name")
 
@@ -3213,7 +3213,8 @@ def episode_turns(tokenizer, tokens, mask):
             i = start
             continue
         i += 1
-    if start < len(tokens):
+    if start < len(tokens) or turns and turns[-1]["role"] == "user":  # the budget may end right after the user's turn: the
+        # reply graded is then the empty one the model had no room for, never the user's message
         turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
     return turns
 

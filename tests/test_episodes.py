@@ -340,3 +340,26 @@ def test_attempts_need_the_turns_and_a_task_that_does_not_answer_itself(tmp_path
     with pytest.raises(SystemExit) as stop:
         grpo.main(base_flags(tmp_path, "b", "--task", "docs/examples/guess_digit.py:GuessDigit", "--attempts", "2"))
     assert "answers the assistant itself (respond): --attempts 2 would replace its answers" in str(stop.value.code)
+
+
+def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_never_the_users_message():
+    # the forced run <|user_start|> message <|user_end|> <|assistant_start|> fills the last of --max-new-tokens: the
+    # reply the task grades is the empty one the model had no room for ("cut"), not the feedback (whose "2 attempts"
+    # the number grader would read as an answer of 2)
+    first = TOK.encode("7") + [TOK.assistant_end]
+    tokens = first + rendered_user_turn("Your answer is wrong. Try again (2 attempts left).")
+    mask = [1] * len(first) + [0] * (len(tokens) - len(first))
+    turns = grpo.episode_turns(TOK, tokens, mask)
+    assert [t["role"] for t in turns] == ["assistant", "user", "assistant"]
+    assert turns[-1] == {"role": "assistant", "content": "", "ended": "cut"}
+
+
+def test_evaluating_an_episode_run_takes_its_episode_flags(tmp_path):
+    # --eval-only and --ask read a run's settings: its episodes' too, else a 3-attempt run is evaluated on one
+    flags = ["--demo", "--attempts", "2", "--max-turns", "3", "--max-turn-tokens", "4", "--max-new-tokens", "80",
+             "--num-steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--num-samples", "2",
+             "--runs-dir", str(tmp_path), "--run-name", "episodes"]
+    grpo.main(flags)
+    for evaluation in (["--eval-only"], ["--ask", "31415"]):
+        args = grpo.resolve_config(["--demo", "--init", str(tmp_path / "episodes"), *evaluation])
+        assert (args.attempts, args.max_turns, args.max_turn_tokens) == (2, 3, 4)
