@@ -3213,8 +3213,9 @@ def episode_turns(tokenizer, tokens, mask):
             i = start
             continue
         i += 1
-    if start < len(tokens) or turns and turns[-1]["role"] == "user":  # the budget may end right after the user's turn: the
-        # reply graded is then the empty one the model had no room for, never the user's message
+    # the budget may end right after the user's turn: the reply graded is then the empty one the model had no room
+    # for, never the user's message
+    if start < len(tokens) or turns and turns[-1]["role"] == "user":
         turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
     return turns
 
