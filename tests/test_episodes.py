@@ -363,3 +363,26 @@ def test_evaluating_an_episode_run_takes_its_episode_flags(tmp_path):
     for evaluation in (["--eval-only"], ["--ask", "31415"]):
         args = grpo.resolve_config(["--demo", "--init", str(tmp_path / "episodes"), *evaluation])
         assert (args.attempts, args.max_turns, args.max_turn_tokens) == (2, 3, 4)
+
+
+def test_ask_plays_an_episode_and_prints_each_turn_as_the_task_graded_it(tmp_path, capsys):
+    game = "docs/examples/guess_digit.py:GuessDigit"
+    grpo.main(base_flags(tmp_path, "guess", "--task", game, "--max-turns", "4", "--max-turn-tokens", "2",
+                         "--max-new-tokens", "24", "--eval-max-new-tokens", "24", "--num-steps", "1",
+                         "--eval-every", "0"))
+    capsys.readouterr()
+    replies = grpo.main(["--demo", "--init", str(tmp_path / "runs" / "guess"), "--ask", "Guess my digit.",
+                         "--num-samples", "3", "--temperature", "1.0"])
+    out = capsys.readouterr().out
+    task = grpo.task_class(game)("test")  # the question is every game's: graded as the first test game
+    for label, (text, reward) in zip(["greedy", "sample 1", "sample 2", "sample 3"], replies):
+        lines = [line for line in out.splitlines() if line.startswith(f"[{label},") or line.startswith(f"[{label}]")]
+        roles = [line[len(label) + 3:line.index("]")] for line in lines[:-1]]
+        assert roles == ["assistant", "user"] * (len(lines) // 2) and 1 <= len(lines) <= 7  # turns in order
+        turns = [dict(role=r, content=line[line.index("] ") + 2:]) for r, line in zip(roles, lines)]
+        turns.append(dict(role="assistant", content=text))
+        assert lines[-1] == f"[{label}, reward {reward:g}] {text}"
+        # the user's lines are the game's answers to the guesses printed before them, and the reward is theirs
+        for k, turn in enumerate(turns[1::2]):
+            assert turn["content"] == task.respond(task[0], turns[:2 * k + 1])
+        assert reward == task.reward(dict(task[0], episode=turns), text)
