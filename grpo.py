@@ -3752,8 +3752,8 @@ def fmt(value):
 
 
 def plot_runs(names, configurations, plot_path):
-    """Train reward, eval score, KL and reply length against step: one colour per configuration, the mean over
-    its seeds with a ±std band."""
+    """Train reward, eval score, KL and reply length against step, and where runs have episodes their turns and
+    eval correct@1..N: one colour per configuration, the mean over its seeds with a ±std band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -3763,13 +3763,19 @@ def plot_runs(names, configurations, plot_path):
         return
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference; dashed: to the teacher"),
               ("reply_len", "reply length")]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    episodes = episode_columns([metrics for seeds in configurations for _, _, metrics in seeds])
+    correct = [k for k in episodes if k.startswith("eval_correct@")]  # --attempts: eval correct within 1..N
+    panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
+    panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
+    fig, axes = plt.subplots(2, 3 if len(panels) > 4 else 2, figsize=(16 if len(panels) > 4 else 11, 7), sharex=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     watched = watched_tasks(configurations)
     for ax, (key, title) in zip(axes.flat, panels):
-        extras = watched if key is None else ["teacher_kl"] if key == "kl" else []
+        extras = watched if key is None else ["teacher_kl"] if key == "kl" else correct[1:] if key in correct else []
         for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
                                        for task in [""] + extras):
-            by_step = {}  # task: the trained one (""); dashed: a watched task's eval, or the KL to the teacher
+            by_step = {}  # task: the trained one (""); dashed: a watched task's eval, the KL to the teacher, correct@k
             for _, config, metrics in seeds:
                 if key is not None or task in config.get("scores", {"": None}):
                     column = (task or key) if key is not None else eval_score_key(config, task)
@@ -3782,8 +3788,8 @@ def plot_runs(names, configurations, plot_path):
             mean = values.mean(dim=1)
             label = (name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)") + (
                 f": {task}" if task else "")
-            ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None else None, markersize=3,
-                    linestyle="--" if task else "-")
+            ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None or key in correct else None,
+                    markersize=3, linestyle="--" if task else "-")
             if len(seeds) > 1:
                 std = values.std(dim=1)
                 ax.fill_between(steps, mean - std, mean + std, color=f"C{i}", alpha=0.2, linewidth=0)

@@ -386,3 +386,25 @@ def test_ask_plays_an_episode_and_prints_each_turn_as_the_task_graded_it(tmp_pat
         for k, turn in enumerate(turns[1::2]):
             assert turn["content"] == task.respond(task[0], turns[:2 * k + 1])
         assert reward == task.reward(dict(task[0], episode=turns), text)
+
+
+def test_compare_plots_turns_and_correct_at_each_attempt(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    flags = ["--demo", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "4", "--final-eval-examples", "4",
+             "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "40", "--eval-max-new-tokens", "40",
+             "--runs-dir", str(tmp_path)]
+    grpo.main(flags + ["--attempts", "2", "--max-turn-tokens", "8", "--run-name", "retries"])
+    grpo.main(flags + ["--run-name", "single"])
+    grpo.main(["--compare", str(tmp_path / "retries"), str(tmp_path / "single")])
+    panels = {ax.get_title(): ax for ax in figures[-1].axes if ax.get_visible()}
+    assert len(panels) == 6
+    metrics = [json.loads(line) for line in open(tmp_path / "retries" / "metrics.jsonl")]
+    turns = [line for line in panels["turns an episode"].get_lines()]
+    assert [list(line.get_ydata()) for line in turns] == [[m["episode_turns"] for m in metrics if "reward" in m]]
+    correct = panels["eval correct@1 (solid) .. @2 (dashed, k up: higher)"].get_lines()
+    assert [(line.get_linestyle(), list(line.get_ydata())) for line in correct] == [
+        (style, [m[key] for m in metrics if key in m]) for style, key in (("-", "eval_correct@1"),
+                                                                          ("--", "eval_correct@2"))]
