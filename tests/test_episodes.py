@@ -365,27 +365,51 @@ def test_evaluating_an_episode_run_takes_its_episode_flags(tmp_path):
         assert (args.attempts, args.max_turns, args.max_turn_tokens) == (2, 3, 4)
 
 
+COUNTING_TASK = """
+from tasks import Task
+
+
+class Counting(Task):
+    \"\"\"Answers each reply with its number, three replies at most; the reward: the replies the episode had.\"\"\"
+    def __init__(self, split):
+        self.split = split
+
+    @classmethod
+    def from_flags(cls, split, args):
+        return cls(split)
+
+    def __len__(self):
+        return 4
+
+    def example(self, index):
+        return {"messages": [{"role": "user", "content": "Talk to me."}, {"role": "assistant", "content": "ok"}]}
+
+    def respond(self, conversation, episode):
+        replies = sum(turn["role"] == "assistant" for turn in episode)
+        return f"after reply {replies}" if replies < 3 else None
+
+    def reward(self, conversation, reply_text):
+        return float(sum(turn["role"] == "assistant" for turn in conversation.get("episode", [{"role": "assistant"}])))
+
+    def evaluate(self, conversation, reply_text):
+        return False
+"""
+
+
 def test_ask_plays_an_episode_and_prints_each_turn_as_the_task_graded_it(tmp_path, capsys):
-    game = "docs/examples/guess_digit.py:GuessDigit"
-    grpo.main(base_flags(tmp_path, "guess", "--task", game, "--max-turns", "4", "--max-turn-tokens", "2",
-                         "--max-new-tokens", "24", "--eval-max-new-tokens", "24", "--num-steps", "1",
-                         "--eval-every", "0"))
-    capsys.readouterr()
-    replies = grpo.main(["--demo", "--init", str(tmp_path / "runs" / "guess"), "--ask", "Guess my digit.",
-                         "--num-samples", "3", "--temperature", "1.0"])
+    (tmp_path / "counting.py").write_text(COUNTING_TASK)
+    replies = grpo.main(["--demo", "--task", f"{tmp_path / 'counting.py'}:Counting", "--max-turn-tokens", "2",
+                         "--eval-max-new-tokens", "64", "--ask", "Talk to me.", "--num-samples", "3"])
     out = capsys.readouterr().out
-    task = grpo.task_class(game)("test")  # the question is every game's: graded as the first test game
     for label, (text, reward) in zip(["greedy", "sample 1", "sample 2", "sample 3"], replies):
-        lines = [line for line in out.splitlines() if line.startswith(f"[{label},") or line.startswith(f"[{label}]")]
-        roles = [line[len(label) + 3:line.index("]")] for line in lines[:-1]]
-        assert roles == ["assistant", "user"] * (len(lines) // 2) and 1 <= len(lines) <= 7  # turns in order
-        turns = [dict(role=r, content=line[line.index("] ") + 2:]) for r, line in zip(roles, lines)]
-        turns.append(dict(role="assistant", content=text))
-        assert lines[-1] == f"[{label}, reward {reward:g}] {text}"
-        # the user's lines are the game's answers to the guesses printed before them, and the reward is theirs
-        for k, turn in enumerate(turns[1::2]):
-            assert turn["content"] == task.respond(task[0], turns[:2 * k + 1])
-        assert reward == task.reward(dict(task[0], episode=turns), text)
+        said = [line[len(label) + 3:] for line in out.splitlines() if line.startswith(f"[{label}, ")]
+        roles = [line.split("]")[0] for line in said]
+        users = [line.removeprefix("user] ") for line in said if line.startswith("user] ")]
+        # the turns in order, each user turn the task's answer to the replies before it; the reward the episode's
+        assert roles[:-1] == ["assistant", "user"] * (len(roles) // 2) and roles[-1] == f"reward {reward:g}"
+        assert users == [f"after reply {k}" for k in range(1, len(users) + 1)] and reward == len(users) + 1
+        assert f"[{label}, reward {reward:g}] {text}\n" in out  # the reply graded is the last turn printed
+    assert max(reward for _, reward in replies) == 3  # episodes ran to the task's end (a reply that quits ends sooner)
 
 
 def test_compare_plots_turns_and_correct_at_each_attempt(tmp_path, monkeypatch):
