@@ -309,11 +309,15 @@ class OwnTask:
 
 
 def import_task_module(module, flag="--task"):
-    """module (importable from the working directory) or path/to/file.py: imported, its errors one ValueError."""
+    """module (importable from the working directory) or path/to/file.py (its folder on the path: it may import the
+    modules beside it): imported, its errors one ValueError."""
     try:
         if module.endswith(".py"):
             if not os.path.isfile(module):
                 raise ValueError(f"the file {module} does not exist: check the path in {flag}")
+            folder = os.path.dirname(os.path.abspath(module))  # its own modules import, as under `python file.py`
+            if folder not in sys.path:
+                sys.path.append(folder)
             spec = importlib.util.spec_from_file_location(f"nanogrpo_task_{task_name(module)}", module)
             loaded = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded)
