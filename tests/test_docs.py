@@ -16,7 +16,7 @@ import grpo
 from conftest import ROOT
 
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-SHELL_VARIABLES = {"seed": "0", "algo": "grpo"}  # the values the docs' loops take
+SHELL_VARIABLES = {"seed": "0", "algo": "grpo", "run": "single", "attempts": "3"}  # the values the docs' loops take
 
 
 def commands(path):

@@ -1066,16 +1066,11 @@ def test_a_python_task_class_without_what_the_trainer_reads_is_one_line(tmp_path
     assert str(stop.value.code).startswith(f"error: {spec}") and said in str(stop.value.code), stop.value.code
 
 
-def test_a_task_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
-    # as `python file.py` would: a subclass of the example game, in a file beside a copy of it (docs/demo.md's lie)
+def test_a_task_file_imports_the_modules_beside_it(monkeypatch):
+    # as `python file.py` would: the lying game imports the game from the file beside it (docs/demo.md's ablation)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the file's folder joins the path for this test only
-    (tmp_path / "guess_digit.py").write_text(open(os.path.join(ROOT, "docs", "examples", "guess_digit.py")).read())
-    (tmp_path / "lying.py").write_text(
-        "from guess_digit import GuessDigit\n\n\nclass LyingDigit(GuessDigit):\n"
-        "    def respond(self, conversation, episode):\n"
-        "        said = super().respond(conversation, episode)\n"
-        "        return {'higher': 'lower', 'lower': 'higher'}.get(said, said)\n")
-    task = grpo.task_class(f"{tmp_path / 'lying.py'}:LyingDigit")("test")
+    monkeypatch.delitem(sys.modules, "guess_digit", raising=False)
+    task = grpo.task_class(os.path.join(ROOT, "docs", "examples", "lying_digit.py:LyingDigit"))("test")
     digit = int(task[0]["messages"][-1]["content"])
     guess = 0 if digit else 9
     assert task.respond(task[0], [dict(role="assistant", content=str(guess))]) == ("lower" if guess < digit else "higher")
