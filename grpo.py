@@ -3798,8 +3798,9 @@ def plot_runs(names, configurations, plot_path):
     axes[0, 0].legend()
     if watched:
         axes[0, 1].legend(fontsize=7)
-    for ax in axes[1]:
+    for ax in axes.flat[len(panels) - axes.shape[1]:len(panels)]:  # the lowest panel of each column
         ax.set_xlabel("step")
+        ax.tick_params(labelbottom=True)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
