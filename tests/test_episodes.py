@@ -83,34 +83,49 @@ def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_envi
             assert torch.equal(alone[key], silent[key]), key
 
 
-def test_the_environments_tokens_get_exactly_zero_gradient():
-    # An episode batch (user turns forced into rows) through make_batch and the objective, every term on (policy,
-    # KL to a reference, entropy bonus), in float64, against a loss written here over the sampled tokens alone,
-    # found from generate's mask: the same gradient up to float64 rounding, and exactly 0 at the forced positions
+def episode_batch(*flags):
+    """An episode batch (user turns forced into rows, float64 model) through make_batch, with these flags ->
+    (model, args, batch, logprobs, entropy with the gradient, the positions generate sampled [(row, position)],
+    frozen log-probs: old, ref)."""
     prompts = random_tokens(5, 9)
     model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts).double()
     respond, _ = answering([3] * 8)
     samples = generate(model, TOK, prompts, 4, 40, seed=3, respond=respond)
-    args = grpo.resolve_config(["--demo", "--aggregation", "token", "--kl-coef", "0.1", "--kl-estimator", "k3",
-                                "--entropy-coef", "0.01", "--num-samples", "4", "--clip-eps", "0.2"])
+    args = grpo.resolve_config(["--demo", "--num-samples", "4", *flags])
     rewards = torch.arange(8, dtype=torch.float32).view(2, 4) % 3
     batch = grpo.make_batch(prompts, samples, rewards, args)
-    ids, targets = batch["input_ids"], batch["target_ids"]
-    logprobs, entropy = model.token_logprobs(ids, targets, with_entropy=True)
-    noise = torch.Generator().manual_seed(0)
-    old = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
-    ref = logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
-    frozen = dict(old=old, sampler=old, ref=ref, teacher=None, teacher_top=None)
-    advantages = batch["advantages"].double()[:, None]
-    mask = batch["loss_mask"].double()
-    loss, _ = grpo.objective(logprobs, entropy, frozen, advantages, mask, mask.sum(), args)
-
-    # the hand-written loss: only positions where generate sampled (mask 1), found from its own outputs
-    sampled = []
+    logprobs, entropy = model.token_logprobs(batch["input_ids"], batch["target_ids"], with_entropy=True)
+    sampled = []  # only positions where generate sampled (mask 1), found from its own outputs
     for row in range(8):
         offset = len(prompts[row // 4]) - 1  # the reply's first token is predicted at the prompt's last position
         sampled += [(row, offset + t) for t in range(samples["lengths"][row]) if samples["mask"][row, t]]
     assert len(sampled) < sum(samples["lengths"].tolist())  # forced tokens are there, left out here
+    noise = torch.Generator().manual_seed(0)
+    old, ref = (logprobs.detach() + 0.05 * torch.randn(logprobs.shape, generator=noise, dtype=torch.float64)
+                for _ in range(2))
+    return model, args, batch, logprobs, entropy, sampled, old, ref
+
+
+def assert_no_gradient_where_not_sampled(loss, logprobs, entropy, sampled):
+    """d loss / d log-prob and d loss / d entropy: exactly 0 wherever the sampler did not sample."""
+    lp_grad, ent_grad = torch.autograd.grad(loss, [logprobs, entropy], retain_graph=True, allow_unused=True)
+    forced = torch.ones_like(logprobs, dtype=torch.bool)
+    for row, pos in sampled:
+        forced[row, pos] = False
+    assert not lp_grad[forced].any() and lp_grad[~forced].abs().sum() > 0
+    assert ent_grad is None or not ent_grad[forced].any()
+
+
+def test_the_environments_tokens_get_exactly_zero_gradient():
+    # Every term on (policy, KL to a reference, entropy bonus), in float64, against a loss written here over the
+    # sampled tokens alone: the same gradient up to float64 rounding, and exactly 0 at the forced positions
+    model, args, batch, logprobs, entropy, sampled, old, ref = episode_batch(
+        "--aggregation", "token", "--kl-coef", "0.1", "--kl-estimator", "k3", "--entropy-coef", "0.01", "--clip-eps",
+        "0.2")
+    frozen = dict(old=old, sampler=old, ref=ref, teacher=None, teacher_top=None)
+    advantages = batch["advantages"].double()[:, None]
+    mask = batch["loss_mask"].double()
+    loss, _ = grpo.objective(logprobs, entropy, frozen, advantages, mask, mask.sum(), args)
 
     def hand_written(order):
         total = 0.0
@@ -128,12 +143,24 @@ def test_the_environments_tokens_get_exactly_zero_gradient():
     got, want, permuted = grads(loss), grads(hand_written(sampled)), grads(hand_written(sampled[::-1]))
     rounding = (want - permuted).abs().max() + torch.finfo(torch.float64).eps * want.abs().max()
     assert (got - want).abs().max() <= 8 * rounding
-    # d loss / d log-prob and d loss / d entropy: exactly 0 wherever the sampler did not sample
-    lp_grad, ent_grad = torch.autograd.grad(loss, [logprobs, entropy], retain_graph=True)
-    forced = torch.ones_like(mask, dtype=torch.bool)
-    for row, pos in sampled:
-        forced[row, pos] = False
-    assert not lp_grad[forced].any() and not ent_grad[forced].any() and lp_grad[~forced].abs().sum() > 0
+    assert_no_gradient_where_not_sampled(loss, logprobs, entropy, sampled)
+
+
+@pytest.mark.parametrize("divergence", ["sampled", "forward"])
+def test_the_environments_tokens_get_no_gradient_from_either_teacher_form(divergence):
+    # a teacher's term beside the policy's: as a per-token advantage (sampled) or its top-k forward KL, whose student
+    # log-probs here are the sampled token's shifted (they carry the gradient of the log-probs)
+    _, args, batch, logprobs, entropy, sampled, old, teacher = episode_batch("--aggregation", "token")
+    args.distill_coef, args.distill_divergence = 1.0, divergence  # as --teacher with --distill-coef 1 sets them
+    top = teacher.unsqueeze(-1) - torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)  # [B, T, 3]
+    frozen = dict(old=old, sampler=old, ref=None, teacher=teacher if divergence == "sampled" else None,
+                  teacher_top=(top, None) if divergence == "forward" else None)
+    student_top = (logprobs.unsqueeze(-1) - torch.tensor([0.5, 1.5, 2.5], dtype=torch.float64), None)
+    mask = batch["loss_mask"].double()
+    loss, parts = grpo.objective(logprobs, entropy, frozen, batch["advantages"].double()[:, None], mask, mask.sum(),
+                                 args, student_top=student_top if divergence == "forward" else None)
+    assert parts["teacher_kl"].abs().sum() > 0  # the teacher's term is there
+    assert_no_gradient_where_not_sampled(loss, logprobs, entropy, sampled)
 
 
 ENVIRONMENTS = TASK_FILE + '''
