@@ -308,35 +308,15 @@ class OwnTask:
         return checked
 
 
-# The modules a task or grader file imported from its own folder: {name: folder}. Their code is the file's too (its
-# fingerprint hashes them: a resumed run refuses a changed helper), and their names are that folder's: another folder
-# with a module of the same name would silently get this one (Python imports a name once a process).
-BESIDE = {}
-
-
 def import_task_module(module, flag="--task"):
-    """module (importable from the working directory) or path/to/file.py (its folder joins the end of the path: it
-    may import the modules beside it): imported, its errors one ValueError."""
+    """module (importable from the working directory) or path/to/file.py: imported, its errors one ValueError."""
     try:
         if module.endswith(".py"):
             if not os.path.isfile(module):
                 raise ValueError(f"the file {module} does not exist: check the path in {flag}")
-            folder = os.path.dirname(os.path.abspath(module))
-            for name, other in BESIDE.items():
-                if other != folder and (os.path.isdir(os.path.join(folder, name)) or name + ".py" != os.path.basename(
-                        module) and os.path.isfile(os.path.join(folder, name + ".py"))):
-                    raise ValueError(f"{module} of {flag} has a module {name} beside it, and {name} is already "
-                                     f"imported from {other}: give one of them another name")
-            if folder not in sys.path:
-                sys.path.append(folder)
-            before = set(sys.modules)
             spec = importlib.util.spec_from_file_location(f"nanogrpo_task_{task_name(module)}", module)
             loaded = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded)
-            for name in set(sys.modules) - before:  # what it imported from its folder: a module, or a package
-                file = getattr(sys.modules[name], "__file__", None)
-                if file and os.path.dirname(os.path.abspath(file)) in (folder, os.path.join(folder, name)):
-                    BESIDE[name] = folder
             return loaded
         if os.getcwd() not in sys.path:
             sys.path.append(os.getcwd())
@@ -419,15 +399,12 @@ class Attempts:
 
 
 def code_fingerprint(spec):
-    """A Python task's or grader's code as config.json records it -> {module, file, sha256 (of the file and the
-    modules it imported from beside it)}; None for the others."""
+    """A Python task's code as config.json records it -> {module, file, sha256}; None for the others."""
     if spec in BUILTIN or spec.endswith(".jsonl"):
         return None
     module = spec.rpartition(":")[0]
     path = module if module.endswith(".py") else getattr(sys.modules.get(module), "__file__", None)
-    folder = os.path.dirname(os.path.abspath(path)) if path else None
-    beside = sorted(sys.modules[name].__file__ for name, f in BESIDE.items() if f == folder and name in sys.modules)
-    digest = file_sha256([path] + beside) if path and os.path.isfile(path) else None
+    digest = file_sha256([path]) if path and os.path.isfile(path) else None
     return {"module": module, "file": os.path.abspath(path) if path else None, "sha256": digest}
 
 

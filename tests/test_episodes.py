@@ -332,6 +332,13 @@ def test_the_example_environment_pays_for_reading_the_answers():
     blind, search = play(lambda low, high, k: k), play(lambda low, high, k: (low + high) // 2)
     assert blind < 0.3 < 0.45 < search  # about 0.25 and 0.525 on a uniform digit
     assert task.respond(task[0], [dict(role="assistant", content="seven", ended="turn")]) == "a digit"
+    # the lying game (docs/demo.md's ablation): the same answers, "higher" and "lower" swapped
+    lie, swapped = game.LyingDigit("test"), {"higher": "lower", "lower": "higher"}
+    for index in range(10):
+        for guess in "0123456789":
+            turns = [dict(role="assistant", content=guess, ended="turn")]
+            said = task.respond(task[index], turns)
+            assert lie.respond(task[index], turns) == swapped.get(said, said)
 
 
 def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_episode_flags(

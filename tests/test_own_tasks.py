@@ -1064,35 +1064,3 @@ def test_a_python_task_class_without_what_the_trainer_reads_is_one_line(tmp_path
     with pytest.raises(SystemExit) as stop:
         grpo.main(base_flags(tmp_path, "bare", "--task", spec))
     assert str(stop.value.code).startswith(f"error: {spec}") and said in str(stop.value.code), stop.value.code
-
-
-def test_a_task_file_imports_the_modules_beside_it(monkeypatch):
-    # as `python file.py` would: the lying game imports the game from the file beside it (docs/demo.md's ablation)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the file's folder joins the path for this test only
-    monkeypatch.delitem(sys.modules, "guess_digit", raising=False)
-    task = grpo.task_class(os.path.join(ROOT, "docs", "examples", "lying_digit.py:LyingDigit"))("test")
-    digit = int(task[0]["messages"][-1]["content"])
-    guess = 0 if digit else 9
-    assert task.respond(task[0], [dict(role="assistant", content=str(guess))]) == ("lower" if guess < digit else "higher")
-
-
-def test_a_task_files_helpers_are_part_of_its_code_and_a_helpers_name_belongs_to_one_folder(tmp_path, monkeypatch):
-    import tasks
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(tasks, "BESIDE", {})
-    for folder, word in (("a", "alpha"), ("b", "beta")):
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "nanogrpo_test_words.py").write_text(f"WORD = {word!r}\n")
-        (tmp_path / folder / "game.py").write_text(TASK_FILE + "\nfrom nanogrpo_test_words import WORD\n")
-    try:
-        spec = f"{tmp_path / 'a' / 'game.py'}:Reverse"
-        grpo.task_class(spec)
-        code = tasks.code_fingerprint(spec)["sha256"]
-        (tmp_path / "a" / "nanogrpo_test_words.py").write_text("WORD = 'gamma'\n")  # a helper edited: other code
-        assert tasks.code_fingerprint(spec)["sha256"] != code
-        # b's own nanogrpo_test_words would be a's module: refused, one line naming both
-        with pytest.raises(ValueError, match=f"game.py of --task has a module nanogrpo_test_words beside it, and "
-                                             f"nanogrpo_test_words is already imported from {tmp_path / 'a'}: give"):
-            grpo.task_class(f"{tmp_path / 'b' / 'game.py'}:Reverse")
-    finally:
-        sys.modules.pop("nanogrpo_test_words", None)

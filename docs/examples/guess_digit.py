@@ -1,7 +1,8 @@
 """Guess the hidden digit: an environment of several turns (docs/tasks.md). The model says a digit; the user
 answers "higher" or "lower" until it is found or 4 guesses are spent; reward (5 - k) / 4 for finding it at guess k.
 A policy that ignores the answers gets at most 0.25 (it finds the digit at its k-th guess 1 time in 10 for each k);
-binary search gets 0.525."""
+binary search gets 0.525. LyingDigit, the same game with the answers swapped, is docs/demo.md's proof that a trained
+policy reads them."""
 import random
 
 from tasks import Task
@@ -44,3 +45,10 @@ class GuessDigit(Task):
 
     def evaluate(self, conversation, reply_text):
         return self.reward(conversation, reply_text) > 0
+
+
+class LyingDigit(GuessDigit):
+    """The game that lies: "higher" and "lower" swapped, all else equal."""
+    def respond(self, conversation, episode):
+        said = super().respond(conversation, episode)
+        return {"higher": "lower", "lower": "higher"}.get(said, said)
