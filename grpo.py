@@ -1227,7 +1227,7 @@ def resolve_config(argv=None):
     try:  # a task file or module that is not there, or not a task: one line, before any work
         task = task_class(args.task)
         for spec in args.eval_task or []:
-            task_class(spec)
+            task_class(spec, "--eval-task")
         if args.num_steps is None:
             args.num_steps = default_num_steps(args.task, args)
     except (OSError, ValueError, GraderError) as e:

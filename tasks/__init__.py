@@ -85,7 +85,7 @@ TASK_METHODS = ("from_flags", "reward", "evaluate", "eval_metrics", "__len__", "
 TASK_DEFAULTS = tuple(name for name in vars(Task) if not name.startswith("_"))  # what a subclass of Task inherits
 
 
-def task_class(spec):
+def task_class(spec, flag="--task"):
     """--task or --eval-task -> the task's class. A ValueError says what is wrong with a spec that names none."""
     from tasks.gsm8k import GSM8K
     from tasks.jsonl import JSONLTask
@@ -96,11 +96,11 @@ def task_class(spec):
         return JSONLTask
     module, colon, name = spec.rpartition(":")
     if not (colon and module and name.isidentifier()):
-        raise ValueError(f"--task {spec!r} names no task: use gsm8k, sort, a file ending in .jsonl, or your class as "
+        raise ValueError(f"{flag} {spec!r} names no task: use gsm8k, sort, a file ending in .jsonl, or your class as "
                          "module:Class or path/to/file.py:Class")
-    cls = getattr(import_task_module(module), name, None)
+    cls = getattr(import_task_module(module, flag), name, None)
     if cls is None:
-        raise ValueError(f"the task module {module} has no {name}: check the class name in --task {spec}")
+        raise ValueError(f"the task module {module} has no {name}: check the class name in {flag} {spec}")
     if not isinstance(cls, type):
         raise ValueError(f"{spec} is not a task but a {type(cls).__name__}: name a class (tasks/__init__.py and "
                          "docs/tasks.md give the interface)")

@@ -395,12 +395,14 @@ def test_a_task_file_that_is_not_utf8_or_not_there(tmp_path):
     ("{dir}/plain.py:Plain", "is not a task: it lacks from_flags, reward"),
     ("sorting", "names no task"),
 ])
-def test_a_python_task_that_cannot_be_used_is_one_line(spec, message, tmp_path):
+@pytest.mark.parametrize("flag", ["--task", "--eval-task"])
+def test_a_python_task_that_cannot_be_used_is_one_line(spec, message, flag, tmp_path):
     (tmp_path / "broken.py").write_text("def (:\n")
     (tmp_path / "plain.py").write_text("class Plain:\n    pass\n")
     with pytest.raises(SystemExit) as stop:
-        grpo.main(base_flags(tmp_path, "x", "--task", spec.format(dir=tmp_path)))
+        grpo.main(base_flags(tmp_path, "x", flag, spec.format(dir=tmp_path)))
     text = str(stop.value.code)
+    message = message.replace("--task", flag)  # the flag that named it, where a message names one
     assert text.startswith("error: ") and message.format(dir=tmp_path) in text and "\n" not in text
 
 
