@@ -3154,7 +3154,10 @@ def ask(args, run):
         return next(m["content"] for m in reversed(problem["messages"]) if m["role"] == "user").strip()
     known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
                   if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
-    run.log(f"--ask, {policy_name(args, run)}: " + ("graded as the task's problem" if known else
+    reference = known["messages"][-1]["content"] if known else None  # a short text answer is shown (a game's digit)
+    shown_answer = f" (its answer: {reference})" if isinstance(reference, str) and len(reference) <= 80 and (
+        reference.isprintable()) else ""
+    run.log(f"--ask, {policy_name(args, run)}: " + (f"graded as the task's problem{shown_answer}" if known else
                                                     f"not one of the task's problems ({args.task}): no grade"))
     run.log(f"--ask: {evaluation_settings(args)}")
     for note in args.notes:

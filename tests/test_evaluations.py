@@ -58,7 +58,8 @@ def test_ask_answers_in_the_runs_settings_with_a_few_lines(trained, capsys):
     replies = grpo.main(["--init", str(run), "--ask", problem["messages"][0]["content"], "--temperature", "0.5"])
     lines = capsys.readouterr().out.splitlines()
     assert len(replies) == 1 + 3 and all(reward is not None for _, reward in replies)  # graded: one of its problems
-    assert lines[0] == f"--ask, the policy of {checkpoint}, step 1: graded as the task's problem"
+    assert lines[0] == (f"--ask, the policy of {checkpoint}, step 1: graded as the task's problem (its answer: "
+                        f"{problem['messages'][-1]['content']})")
     assert lines[1].startswith("--ask: task sort, greedy and 3 sampled replies (--temperature 0.5 --top-k 5) up to 6 "
                                "tokens") and lines[1].endswith("; --temperature 0.5 given here, the run's 0.9")
     assert len(lines) == 2 + len(replies) and lines[2].startswith("[greedy, reward ")  # no configuration
