@@ -3770,7 +3770,8 @@ def plot_runs(names, configurations, plot_path):
     correct = [k for k in episodes if k.startswith("eval_correct@")]  # --attempts: eval correct within 1..N
     panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
     panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
-    fig, axes = plt.subplots(2, 3 if len(panels) > 4 else 2, figsize=(16 if len(panels) > 4 else 11, 7), sharex=True)
+    columns = 3 if len(panels) > 4 else 2
+    fig, axes = plt.subplots(2, columns, figsize=(5.4 * columns - 0.2, 7), sharex=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     watched = watched_tasks(configurations)
@@ -3801,7 +3802,7 @@ def plot_runs(names, configurations, plot_path):
     axes[0, 0].legend()
     if watched:
         axes[0, 1].legend(fontsize=7)
-    for ax in axes.flat[len(panels) - axes.shape[1]:len(panels)]:  # the lowest panel of each column
+    for ax in axes.flat[len(panels) - columns:len(panels)]:  # the lowest panel of each column
         ax.set_xlabel("step")
         ax.tick_params(labelbottom=True)
     fig.tight_layout()
