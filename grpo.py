@@ -3771,7 +3771,7 @@ def plot_runs(names, configurations, plot_path):
     panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
     panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
     columns = 3 if len(panels) > 4 else 2
-    fig, axes = plt.subplots(2, columns, figsize=(5.4 * columns - 0.2, 7), sharex=True)
+    fig, axes = plt.subplots(2, columns, figsize=(16 if columns == 3 else 11, 7), sharex=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     watched = watched_tasks(configurations)
