@@ -71,13 +71,15 @@ if __name__ == "__main__" and sys.argv[1:] in (["-h"], ["--help"]) and os.path.i
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from model import (GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, CheckpointFileError, Tokenizer, atomic_save,
-                   checkpoint_steps, error_summary, find_checkpoint, flash_varlen_takes, generate, load_checkpoint,
-                   load_tensors, master_weight_names, master_weights, nanochat_base_dir, pack_rows, save_checkpoint,
-                   stop_signal, writing)
-from tasks import GraderError, build, code_fingerprint, default_num_steps, task_class, task_name
+from model import (CheckpointFileError, GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Muon, Tokenizer, all_reduce,
+                   atomic_save, broadcast_weights, checkpoint_folder, checkpoint_steps, complete_steps, error_summary,
+                   find_checkpoint, first_fit_decreasing, flash_varlen_takes, gathered_optimizer_states, generate,
+                   in_rows, load_checkpoint, load_tensors, loadable_steps, make_optimizers, master_weight_names,
+                   master_weights, optimizer_version, pack_micro_batch, reduce_gradients, save_checkpoint, shard_owners,
+                   stop_signal, tokenizer_path, writing)
+from tasks import (GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, episode_responder,
+                   graded, reply_text, task_class, task_name)
 from tasks.jsonl import GRADERS
 
 
@@ -241,11 +243,9 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
     # noise comes from its own seed, so how they are split changes nothing but memory.
     per_call = max(1, (args.sample_batch_size or len(prompts) * G) // G)
     with autocast:
-        chunks = [generate(model, tokenizer, prompts[i:i + per_call], G, args.max_new_tokens, args.temperature,
-                           args.top_k, seed=seeds[i:i + per_call], tool=task.tool, decode=args.decode,
-                           respond=episode_responder(task, tokenizer, conversations[i:i + per_call], G, args),
-                           max_turn_tokens=args.max_turn_tokens)
-                  for i in range(0, len(prompts), per_call)]
+        chunks = [play(task, model, tokenizer, prompts[i:i + per_call], conversations[i:i + per_call], G,
+                       args.max_new_tokens, args, temperature=args.temperature, top_k=args.top_k,
+                       seed=seeds[i:i + per_call], decode=args.decode) for i in range(0, len(prompts), per_call)]
     samples = {k: torch.cat([chunk[k] for chunk in chunks]) for k in chunks[0]}
     # An episode of several turns is graded once, as a whole (graded: the conversation with its turns, the last reply)
     terms = torch.tensor([[parts[name] for name in task.reward_terms] for parts in (
@@ -261,6 +261,14 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
                                + [penalty], dim=-1)
     return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
                 task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
+
+
+def play(task, model, tokenizer, prompts, conversations, G, max_new_tokens, args, **sampling):
+    """generate with the task's tool, and for an episode's task its respond answering each conversation's G rows
+    (conversations None: no environment, as for an --ask question that is none of the task's problems)."""
+    respond = None if conversations is None else episode_responder(task, tokenizer, conversations, G, args.max_turns)
+    return generate(model, tokenizer, prompts, G, max_new_tokens, tool=task.tool, respond=respond,
+                    max_turn_tokens=args.max_turn_tokens, **sampling)
 
 
 def equal_groups(rewards, reward_parts=None):
@@ -1662,7 +1670,7 @@ def start_run(args, run_dir, rank, writes):
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
     config = {k: v for k, v in vars(args).items()
               if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
-    config.update(world_size=world_size, semantics=sorted(SEMANTICS))
+    config.update(world_size=world_size, version=VERSION)
     setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
     setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
     for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
@@ -2112,14 +2120,6 @@ def frozen(net, bf16_matrices, offload):
     return net
 
 
-def checkpoint_folder(path):
-    """A checkpoint folder as given, or a run folder of this program: its checkpoints' folder."""
-    runs = os.path.join(path, "chatrl_checkpoints")
-    if not checkpoint_steps(path) and os.path.isdir(runs) and len(os.listdir(runs)) == 1:
-        return os.path.join(runs, os.listdir(runs)[0])
-    return path
-
-
 def teacher_checkpoint(args):
     """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
     folder, the step); one error line when there is none."""
@@ -2132,11 +2132,6 @@ def teacher_checkpoint(args):
     if step not in checkpoint_steps(folder):  # one without its meta: load_checkpoint's line, as a damaged step's
         sys.exit(f"error: --teacher-step {step}: {folder} holds steps {complete}")
     return folder, step
-
-
-def loadable_steps(folder):
-    """The steps of a checkpoint folder with both their model and meta files: those --init and --teacher can load."""
-    return [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
 
 
 def load_teacher(args, tokenizer, log, shapes_only=False):
@@ -2196,13 +2191,6 @@ def unusable_checkpoint(flag, error, steps):
     sys.exit(f"error: {flag}: {error}; {instead}, or {elsewhere}")
 
 
-def tokenizer_path(checkpoint_dir):
-    """<base>/<source>_checkpoints/<tag> -> <base>/tokenizer/tokenizer.pkl, else nanochat's default base."""
-    base = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir)))
-    beside = os.path.join(base, "tokenizer", "tokenizer.pkl")
-    return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
-
-
 # -----------------------------------------------------------------------------
 # CPU threads (see OPENMP_SPIN at the top for how long a waiting thread spins)
 
@@ -2227,219 +2215,7 @@ def thread_policy(args, device, world_size):
 
 
 # -----------------------------------------------------------------------------
-# Optimizers
-
-# nanochat's optimizer, as its RL script of each generation builds it (five versions in 2025-2026). Muon for the
-# matrices inside the blocks: Nesterov momentum, then an orthogonalised update (U V^T of the momentum G = U S V^T,
-# approximated by a few matrix polynomials), scaled by sqrt(max(1, rows / cols)). AdamW for embeddings, head,
-# gains and gates. What changed from version to version, one row each:
-#   orthogonalise: "quintic" = one polynomial 5 times (X / (|X|_F + 1e-7)); "polar" = Polar Express, 5 polynomials
-#                  (X / (|X|_F * divisor + 1e-6))
-#   normuon:       beta2 of NorMuon's factored second moment (per row or column of the update), None: off
-#   muon_decay:    --weight-decay goes to Muon as cautious decay (only where update and weight agree in sign);
-#                  else it goes to AdamW
-#   equilibrate:   rows rescaled to the mean row norm before orthogonalising (MuonEq)
-#   renormalise:   the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)) (Muon+)
-#   adamw:         "torch" = torch's AdamW; "nanochat" = nanochat's own AdamW step (the same math, its rounding)
-#   groups:        AdamW group -> (betas, weight decay); "flag": --weight-decay
-#   value_embed_lr: the value embeddings' lr as a fraction of --embedding-lr
-def adamw_row(lm_head, wte, value_embeds, resid, x0, smear=((0.8, 0.95), 0.0)):
-    return dict(lm_head=lm_head, wte=wte, value_embeds=value_embeds, resid_lambdas=resid, x0_lambdas=x0, smear=smear)
-
-
-V1_ADAMW = adamw_row(*[((0.8, 0.95), "flag")] * 2, *[((0.8, 0.95), 0.0)] * 3)  # groups it lacked: as they began
-V2_ADAMW = adamw_row(*[((0.8, 0.95), 0.0)] * 5)
-V3_ADAMW = dict(V2_ADAMW, x0_lambdas=((0.96, 0.95), 0.0))
-V4_ADAMW = adamw_row(((0.8, 0.96), 0.01), ((0.8, 0.995), 0.001), ((0.8, 0.995), 0.01), ((0.8, 0.95), 0.05),
-                     ((0.96, 0.95), 0.0))
-OPTIMIZER_VERSIONS = {  # nanochat's commits: V1 Oct-Dec 2025, V2 Dec 2025-Jan 2026, V3 Jan-Mar, V4 Mar 9, V5 Mar 14 on
-    "v1": dict(orthogonalise="quintic", divisor=None, normuon=None, muon_decay=False, equilibrate=False,
-               renormalise=False, adamw="torch", groups=V1_ADAMW, value_embed_lr=1.0),
-    "v2": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
-               renormalise=False, adamw="torch", groups=V2_ADAMW, value_embed_lr=1.0),
-    "v3": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
-               renormalise=False, adamw="nanochat", groups=V3_ADAMW, value_embed_lr=1.0),
-    "v4": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=False,
-               renormalise=False, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
-    "v5": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=True,
-               renormalise=True, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
-}
-# the version nanochat's RL script used at each generation's commits
-GENERATION_OPTIMIZER = {"classic": "v1", "padded-vocab": "v2", "lambdas-windows": "v2", "value-embeds": "v3",
-                        "softcap20": "v3", "ve12-qk115": "v4", "smear-backout": "v5"}
-QUINTIC = [(3.4445, -4.7750, 2.0315)] * 5
-POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),  # Amsel et al. 2025, 5 steps
-                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
-
-
-def frobenius(X):
-    """The Frobenius norm of each matrix of a stack X [N, rows, cols] -> [N, 1, 1], each as torch computes it for
-    that matrix alone (foreach norm): a matrix's step does not depend on which others share its stack."""
-    return torch.stack(torch._foreach_norm(list(X.unbind(0)))).view(-1, 1, 1)
-
-
-def orthogonalise(G, version):
-    """~ U V^T for each matrix G = U S V^T of a stack G [N, rows, cols]: polynomials X <- a X + (b A + c A^2) X,
-    A = X X^T, that push every singular value of X towards 1. bf16 on CUDA, as nanochat runs it; float32
-    elsewhere."""
-    X = G.bfloat16() if G.is_cuda else G.float()
-    if version["equilibrate"]:  # every row to the mean row norm
-        X = X * (frobenius(X) / X.size(-2) ** 0.5) / X.norm(dim=-1, keepdim=True).clamp(min=1e-6)
-    if version["orthogonalise"] == "quintic":
-        X, coefficients = X / (frobenius(X) + 1e-7), QUINTIC
-    else:
-        X, coefficients = X / (frobenius(X) * version["divisor"] + 1e-6), POLAR_EXPRESS
-    transposed = X.size(-2) > X.size(-1)  # iterate on the smaller Gram matrix
-    if transposed:
-        X = X.mT
-    for a, b, c in coefficients:  # each sum inside its product (baddbmm): 3 kernels a polynomial, not 8
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
-    X = (X.mT if transposed else X).to(G.dtype)
-    if version["renormalise"]:
-        X = X * min(X.shape[-2:]) ** 0.5 / frobenius(X).clamp(min=1e-6)
-    return X
-
-
-MUON_STACK_BYTES = 2 ** 27  # float32 bytes of one stack of same-shape matrices, at most (memory_plan counts 10)
-
-
-class Muon(torch.optim.Optimizer):
-    """nanochat's Muon of one version (OPTIMIZER_VERSIONS) for 2-D weights. The matrices of one shape step as one
-    stack (as nanochat's own Muon steps them), of at most MUON_STACK_BYTES: one kernel for all of them where a loop
-    launched ~50 for each, and on a GPU the host's launches were most of Muon's time (docs/performance.md)."""
-
-    def __init__(self, params, lr, version, weight_decay=0.0, momentum=0.95):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
-        self.version = version
-
-    @staticmethod
-    def stacks(params):
-        """-> the stacks these matrices step in: of one shape, at most MUON_STACK_BYTES each, in their order."""
-        shapes = {}
-        for p in params:
-            shapes.setdefault(tuple(p.shape), []).append(p)
-        stacks = []
-        for (rows, cols), same in shapes.items():
-            per_stack = max(1, MUON_STACK_BYTES // (rows * cols * 4))
-            stacks += [same[i:i + per_stack] for i in range(0, len(same), per_stack)]
-        return stacks
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:  # as torch's optimizers: no gradient, no step
-            for stack in self.stacks([p for p in group["params"] if p.grad is not None]):
-                self.step_stack(stack, group)
-
-    def step_stack(self, params, group):
-        version = OPTIMIZER_VERSIONS[self.version]
-        rows, cols = params[0].shape
-        dim = -1 if rows >= cols else -2  # NorMuon's moments: one per row (per column if wide)
-        states = [self.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:
-                state["momentum"] = torch.zeros_like(p)
-                if version["normuon"] is not None:
-                    state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
-        if params[0].is_meta:  # the memory plan steps the optimizers on meta tensors only to count their state: the
-            return  # update's ops there compute nothing, through torch's Python meta kernels (0.1 s a run)
-        momentum = torch.stack([state["momentum"] for state in states])  # [N, rows, cols], as each one below
-        grads = torch.stack([p.grad for p in params])
-        momentum.lerp_(grads, 1 - group["momentum"])
-        update = orthogonalise(grads.lerp_(momentum, group["momentum"]), version)  # Nesterov
-        if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
-            second_moment = torch.stack([state["second_moment"] for state in states])
-            second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
-            scaled = update * second_moment.clamp(min=1e-10).rsqrt()
-            update = scaled * (frobenius(update) / frobenius(scaled).clamp(min=1e-10))
-            torch._foreach_copy_([state["second_moment"] for state in states], list(second_moment.unbind(0)))
-        lr = group["lr"] * max(1, rows / cols) ** 0.5
-        weights = torch.stack(params)
-        if group["weight_decay"]:  # cautious: decay only where the update pushes the same way
-            weights.sub_(lr * group["weight_decay"] * weights * (update * weights >= 0))
-        weights.add_(update, alpha=-lr)
-        torch._foreach_copy_(params, list(weights.unbind(0)))
-        torch._foreach_copy_([state["momentum"] for state in states], list(momentum.unbind(0)))
-
-
-class NanochatAdamW(torch.optim.Optimizer):
-    """nanochat's own AdamW step (from its optimizer version v3): decoupled decay, then Adam with bias correction."""
-
-    def __init__(self, params, lr, betas, eps=1e-10, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            (beta1, beta2), lr = group["betas"], group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                p.mul_(1 - lr * group["weight_decay"])
-                m.lerp_(p.grad, 1 - beta1)
-                v.lerp_(p.grad.square(), 1 - beta2)
-                denominator = (v / (1 - beta2 ** t)).sqrt() + group["eps"]
-                p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
-
-
-def optimizer_version(model, args):
-    """--optimizer-version; else the one a checkpoint of this program was trained with, as its meta records; else
-    the one of the checkpoint's generation; a model from scratch: nanochat's newest (the demo learns faster with it:
-    docs/demo.md)."""
-    if args.optimizer_version:
-        return args.optimizer_version
-    if getattr(model, "trained_optimizer", None) in OPTIMIZER_VERSIONS:
-        return model.trained_optimizer
-    return "v5" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
-
-
-def make_optimizers(model, args):
-    if args.lora_rank:  # only the adapters train
-        optimizers = [torch.optim.AdamW(model.lora.parameters(), lr=args.lora_lr, weight_decay=args.weight_decay)]
-    elif args.optimizer == "adamw":
-        optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
-    else:  # nanochat's: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
-        name = optimizer_version(model, args)
-        version = OPTIMIZER_VERSIONS[name]
-        scale = (model.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768: scaled as 1/sqrt(width)
-        homes = [("wte", [model.transformer.wte.weight], args.embedding_lr * scale),
-                 ("lm_head", [model.lm_head.weight], args.unembedding_lr * scale)]
-        if model.value_embeds:
-            homes.append(("value_embeds", list(model.value_embeds.parameters()),
-                          args.embedding_lr * scale * version["value_embed_lr"]))
-        if model.generation.lambdas:  # gains: lrs not scaled by width
-            homes += [("resid_lambdas", [model.resid_lambdas], 0.005), ("x0_lambdas", [model.x0_lambdas], 0.5)]
-        if model.generation.smear_backout:
-            homes.append(("smear", [model.smear_gate.weight, model.smear_lambda, model.backout_lambda], 0.2))
-        adam_groups = []
-        for home, params, lr in homes:
-            betas, decay = version["groups"][home]
-            adam_groups.append(dict(params=params, lr=lr, betas=betas,
-                                    weight_decay=args.weight_decay if decay == "flag" else decay))
-        adamw = NanochatAdamW if version["adamw"] == "nanochat" else torch.optim.AdamW
-        optimizers = [adamw(adam_groups, lr=0.0, betas=(0.8, 0.95), eps=1e-10),
-                      Muon(model.transformer.h.parameters(), lr=args.matrix_lr, version=name,
-                           weight_decay=args.weight_decay if version["muon_decay"] else 0.0)]
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] *= args.init_lr_frac
-    homed = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    trainable = [id(p) for p in model.parameters() if p.requires_grad]
-    assert sorted(homed) == sorted(trainable), "a trainable parameter with no optimizer, or two"
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
-    return optimizers
-
+# The learning rates' schedule
 
 def lr_multiplier(step, args):
     """The learning rates' multiplier at this step (0-based): a linear warmup over --warmup-steps, then the schedule
@@ -2633,7 +2409,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                  tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
                  tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
-    episodes = episode_ends(run.tokenizer, samples) if getattr(run.train_task, "respond", None) else {}
+    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
     local.update(episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
@@ -2738,13 +2514,6 @@ def first_eval(args, run):
         raise KeyboardInterrupt(f"{stop_name()} during the eval of step {run.start_step}")
 
 
-def complete_steps(checkpoint_dir):
-    """The steps whose model, meta and training state files were all written: the ones a run can resume from."""
-    return [s for s in checkpoint_steps(checkpoint_dir) if all(
-        os.path.isfile(os.path.join(checkpoint_dir, f"{kind}_{s:06d}.{ext}"))
-        for kind, ext in (("meta", "json"), ("state", "pt")))]
-
-
 def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, config, keep_states):
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
@@ -2777,37 +2546,13 @@ STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac
 # steps up to float rounding (another summation order); a change is noted like the step sizes'.
 SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile", "pack",
           "tokens_per_pass", "threads", "decode")
-# Flags added since runs began to be resumed, with what a run from before them did
-SINCE = {"shard_optimizer": False, "ref_offload": False, "kl_placement": "loss", "pack": False, "tokens_per_pass": None,
-         "task_test": None, "grader": "number", "calculator": False, "policy_loss": "clip", "sapo_tau_pos": 1.0,
-         "sapo_tau_neg": 1.05, "reward_combination": "sum", "threads": None,
-         "decode": "auto", "self_check": None, "save_on_stop": False, "distill_coef": 0.0, "teacher_offload": False,
-         "distill_divergence": "sampled", "distill_top_k": 64, "max_turns": 10, "attempts": 1,
-         "max_turn_tokens": None}
-# Changes in what the flags do, made since runs began to be resumed: name -> (whether a run's config is concerned,
-# what changed). config.json lists those a run has ("semantics"); one from before resumes with the others, noted
-# like a changed step size. (The k1 change came with --kl-placement: a run that records it has it.)
-SEMANTICS = {
-    "k1_score_term": (lambda c: c.get("kl_estimator") == "k1" and c.get("kl_coef") and c.get("kl_placement") in
-                      (None, "loss"), "k1 in the loss carries its score-function term: its gradient is that of "
-                      "KL(pi_theta || pi_ref) (it was 0 in expectation)"),
-    "no_signal_kl_free": (lambda c: c.get("kl_coef") and c.get("kl_placement") in (None, "loss") and not
-                          c.get("entropy_coef"), "an optimizer step without policy signal is the KL-free one"),
-    "distinct_questions": (lambda c: task_attribute(c.get("task"), "epochs_end", True),  # (sort's never do)
-                           "a step that straddles two epochs takes each question once"),
-}
+# What a run's config.json calls the program's version: a change in what the flags do, or in what a run folder
+# holds, gives it a new number, and --resume refuses a run of another (its steps would not be the ones it began).
+VERSION = 2
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data ({})", "test": "test data ({})", "tokenizer": "tokenizer (tokenizer.pkl of the start "
           "checkpoint)", "code": "task code", "watched": "data of the watched task",
           "teacher": "teacher (--teacher's checkpoint)"}
-
-
-def task_attribute(spec, name, default):
-    """A class attribute of the task a (possibly old) run's config names; default when it names none that loads."""
-    try:
-        return getattr(task_class(spec), name, default)
-    except (OSError, ValueError, ImportError, TypeError, AttributeError):
-        return default
 
 
 def resume(args, run):
@@ -2822,13 +2567,11 @@ def resume(args, run):
     except (OSError, ValueError) as e:
         sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
-    if run_config.get("optimizer") == "muon" and not run_config.get("lora_rank"):  # runs from before versions: v1
-        run_config.setdefault("optimizer_version", "v1")
-    had = run_config.get("semantics", ["k1_score_term"] if "kl_placement" in run_config else [])
-    semantics = [name for name, (concerned, _) in SEMANTICS.items() if name not in had and concerned(run_config)]
-    for k, v in SINCE.items():  # flags newer than the run: it ran as their value then
-        run_config.setdefault(k, v)
-    for name, digest in run_config.get("inputs", {}).items():  # runs from before inputs were recorded: unchecked
+    if run_config.get("version") != VERSION:
+        sys.exit(f"error: --resume: the run was written by grpo.py version {run_config.get('version', 1)}, this is "
+                 f"version {VERSION}: finish it with the version that started it, or start a new run from its "
+                 f"checkpoint: --init {checkpoint_dir}")
+    for name, digest in run_config["inputs"].items():
         if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
             flag = task_class(args.task).data_flags.get(name, "--task")
             sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]].format(flag)}"
@@ -2839,8 +2582,8 @@ def resume(args, run):
     evaluating = bool(args.eval_only or args.ask)
     # an evaluation reads the policy alone, and samples as it is told
     unread = TEACHER_FLAGS + EVALUATION_SAMPLING + THIS_MACHINE if evaluating else ()
-    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "semantics",
-                                                                             "scores", "task_code")
+    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "scores",
+                                                                             "task_code")
                        and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY + unread)
     refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
     if "num_steps" in refused and not evaluating:  # the schedule ends at the run's last step: more steps are a new run
@@ -2862,16 +2605,11 @@ def resume(args, run):
         return 0
     step = saved[-1]
     changes = {k: [run_config.get(k), config[k]] for k in differing}
-    if semantics:
-        changes["semantics"] = [had, config["semantics"]]
-        run.log(f"note: resuming at step {step} a run from before these changes, which it now runs with: "
-                + "; ".join(SEMANTICS[name][1] for name in semantics))
     history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
     if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
         config["resumed_with"] = history
-    if set(changes) - {"semantics"} and not evaluating:  # (an evaluation's spread over memory is its own)
-        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()
-                                                                   if k != "semantics")
+    if changes and not evaluating:  # (an evaluation's spread over memory is its own)
+        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
     model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
     fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
@@ -3163,15 +2901,12 @@ def ask(args, run):
     for note in args.notes:
         run.log(f"note: {note}")
     prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})
-
-    def responder(G):  # an episode's task answers the problems of its own only
-        return episode_responder(task, run.tokenizer, [known], G, args) if known else None
+    conversations = [known] if known else None  # an episode's task answers the problems of its own only
     with run.autocast:
-        greedy = generate(run.model, run.tokenizer, [prompt], 1, args.eval_max_new_tokens, temperature=0,
-                          tool=task.tool, respond=responder(1), max_turn_tokens=args.max_turn_tokens)
-        sampled = generate(run.model, run.tokenizer, [prompt], args.num_samples, args.eval_max_new_tokens,
-                           args.temperature, args.top_k, seed=args.seed, tool=task.tool,
-                           respond=responder(args.num_samples), max_turn_tokens=args.max_turn_tokens)
+        greedy = play(task, run.model, run.tokenizer, [prompt], conversations, 1, args.eval_max_new_tokens, args,
+                      temperature=0)
+        sampled = play(task, run.model, run.tokenizer, [prompt], conversations, args.num_samples,
+                       args.eval_max_new_tokens, args, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     replies = []
     for label, samples, row in [("greedy", greedy, 0)] + [(f"sample {i + 1}", sampled, i)
                                                           for i in range(args.num_samples)]:
@@ -3183,89 +2918,6 @@ def ask(args, run):
             run.log(f"[{label}, {turn['role']}] {turn['content']}")
         run.log(f"[{label}{'' if reward is None else f', reward {reward:g}'}] {text}")
     return replies
-
-
-def reply_text(tokenizer, samples, row):
-    """A sampled reply as text for the grader, without its stop token."""
-    length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
-    return tokenizer.decode(samples["tokens"][row, :length].tolist())
-
-
-# -----------------------------------------------------------------------------
-# Episodes of several turns: the task answers the assistant (tasks/__init__.py, respond)
-
-def episode_turns(tokenizer, tokens, mask):
-    """A row's tokens and sampler mask (lists, up to its length) -> its turns, [{"role", "content"}, ...]. The
-    boundaries come from the ids and the mask, never from decoded text (the model may sample <|user_start|> inside
-    its own turn): an assistant turn ends at <|assistant_end|>, sampled ("ended": "turn") or forced at
-    --max-turn-tokens ("capped": no forced run holds it, a user's message and a tool's output being plain tokens), or
-    at a sampled <|bos|> ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is
-    the user's turn (a run the token budget cut is left out: the model never read it whole); a last turn with no end
-    was cut ("cut")."""
-    turns, start, i = [], 0, 0
-    while i < len(tokens):
-        if tokens[i] == tokenizer.assistant_end or mask[i] and tokens[i] == tokenizer.bos:
-            ended = "quit" if tokens[i] == tokenizer.bos else "turn" if mask[i] else "capped"
-            turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:i]), ended=ended))
-            try:  # the user's message holds no special token: the first forced <|assistant_start|> closes it
-                start = next(j for j in range(i + 1, len(tokens)) if tokens[j] == tokenizer.assistant_start
-                             and not mask[j]) + 1
-            except StopIteration:
-                return turns
-            turns.append(dict(role="user", content=tokenizer.decode(tokens[i + 2:start - 2])))
-            i = start
-            continue
-        i += 1
-    # the budget may end right after the user's turn: the reply graded is then the empty one the model had no room
-    # for, never the user's message
-    if start < len(tokens) or turns and turns[-1]["role"] == "user":
-        turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
-    return turns
-
-
-def episode_responder(task, tokenizer, conversations, G, args):
-    """-> generate's respond (row, tokens, mask) -> the task's next user message or None, for these conversations
-    (G rows each), at most --max-turns assistant turns an episode; None for a task of one turn."""
-    if getattr(task, "respond", None) is None:
-        return None
-
-    def respond(row, tokens, mask):
-        turns = episode_turns(tokenizer, tokens, mask)
-        if sum(turn["role"] == "assistant" for turn in turns) >= args.max_turns:
-            return None
-        return task.respond(conversations[row // G], turns)
-    return respond
-
-
-def episode_ends(tokenizer, samples):
-    """The step's episodes, summed: episode_turns (assistant turns), and how each ended: episode_end_done (the
-    task ended it, or --max-turns did), episode_end_quit (the model sampled <|bos|>), episode_end_budget (cut at
-    --max-new-tokens, in a turn of either side)."""
-    sums = dict(episode_turns=0, episode_end_done=0, episode_end_quit=0, episode_end_budget=0)
-    tokens, mask = samples["tokens"].tolist(), samples["mask"].tolist()
-    for row, (length, cut) in enumerate(zip(samples["lengths"].tolist(), samples["truncated"].tolist())):
-        turns = [turn for turn in episode_turns(tokenizer, tokens[row][:length], mask[row][:length])
-                 if turn["role"] == "assistant"]
-        sums["episode_turns"] += len(turns)
-        ended = "budget" if cut else "quit" if turns[-1]["ended"] == "quit" else "done"
-        sums[f"episode_end_{ended}"] += 1
-    return sums
-
-
-def episode_of(conversation):
-    """{"episode": its turns} for a graded episode (the samples and eval files show it turn by turn), {} for a
-    one-turn reply."""
-    return {"episode": conversation["episode"]} if "episode" in conversation else {}
-
-
-def graded(task, tokenizer, conversation, samples, row):
-    """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
-    episode's task the conversation with "episode" (its turns) and the last assistant turn."""
-    if getattr(task, "respond", None) is None:
-        return conversation, reply_text(tokenizer, samples, row)
-    length = samples["lengths"][row].item()
-    turns = episode_turns(tokenizer, samples["tokens"][row, :length].tolist(), samples["mask"][row, :length].tolist())
-    return dict(conversation, episode=turns), turns[-1]["content"]
 
 
 def pass_at_k(n, c, k):
@@ -3297,13 +2949,11 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
             continue
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         with autocast:
-            greedy = generate(model, tokenizer, prompts, 1, args.eval_max_new_tokens, temperature=0, tool=task.tool,
-                              respond=episode_responder(task, tokenizer, conversations, 1, args),
-                              max_turn_tokens=args.max_turn_tokens)
-            sampled = generate(model, tokenizer, prompts, args.pass_k, args.eval_max_new_tokens, args.temperature,
-                               args.top_k, seed=[args.seed + 7919 * j for j in mine[i:i + chunk]], tool=task.tool,
-                               respond=episode_responder(task, tokenizer, conversations, args.pass_k, args),
-                               max_turn_tokens=args.max_turn_tokens) if args.pass_k else None
+            greedy = play(task, model, tokenizer, prompts, conversations, 1, args.eval_max_new_tokens, args,
+                          temperature=0)
+            sampled = play(task, model, tokenizer, prompts, conversations, args.pass_k, args.eval_max_new_tokens, args,
+                           temperature=args.temperature, top_k=args.top_k,
+                           seed=[args.seed + 7919 * j for j in mine[i:i + chunk]]) if args.pass_k else None
         for p, example in enumerate(conversations):
             conversation, reply = graded(task, tokenizer, example, greedy, p)
             reward, metrics = task.reward(conversation, reply), task.eval_metrics(conversation, reply)
@@ -3358,11 +3008,6 @@ def to_device(batch, device):
     return move(batch)
 
 
-def in_rows(values, mb):
-    """A pass's per-position values [1, total, ...] (packed) or [R, width, ...] -> the rows' layout [R, width, ...]."""
-    return values.flatten(0, 1)[mb["row_positions"]] if values is not None and "pack" in mb else values
-
-
 @torch.no_grad()
 def teacher_top_logprobs(teacher, mb, args):
     """--distill-divergence forward: the teacher's --distill-top-k tokens at the micro-batch's loss positions ->
@@ -3401,21 +3046,6 @@ def plan_micro_batches(batch, args, static=None):
     return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
 
 
-def first_fit_decreasing(rows, widths, budget):
-    """rows -> passes of rows whose widths sum to at most budget: each row, longest first, into the first pass with
-    room (first-fit decreasing: within 11/9 of the fewest passes). A row wider than the budget (refused at start,
-    plan_memory) gets a pass of its own."""
-    passes, room = [], []
-    for r in sorted(rows, key=lambda r: -widths[r]):  # a stable sort: equal widths keep their order
-        i = next((i for i, free in enumerate(room) if free >= widths[r]), len(passes))
-        if i == len(passes):
-            passes.append([])
-            room.append(budget)
-        passes[i].append(r)
-        room[i] -= widths[r]
-    return passes
-
-
 def micro_batch(batch, rows, minibatch, widths, needed, args, static):
     """One forward/backward pass of the update: these rows of the batch, cut to their longest width [R, width] (the
     rows' own layout), with --pack their token ids as one sequence [1, total] (pack_micro_batch). It carries the
@@ -3433,25 +3063,6 @@ def micro_batch(batch, rows, minibatch, widths, needed, args, static):
     else:
         mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
     return mb
-
-
-def pack_micro_batch(mb, widths, budget, static):
-    """A micro-batch's rows [R, width] as one packed sequence: -> its input_ids and target_ids as [1, total],
-    the pack GPT.hidden takes, and row_positions [R, width] (each row token's flat position in the sequence). total:
-    the rows' tokens, or with static (rows, tokens a row) the budget, the tail padded, and the pack's tensors padded
-    to those sizes: one shape for every pass of the run, so that a compiled forward is built once."""
-    real = sum(widths)
-    total, max_rows, max_len = (real, len(widths), max(widths)) if static is None else (
-        max(budget, real), max(static[0], len(widths)), max(static[1], max(widths)))
-    pack, row_positions = pack_rows(widths, total, max_rows, max_len)
-    width = mb["input_ids"].size(1)
-    row_positions = row_positions[:, :width]
-    keep = torch.arange(width)[None] < torch.tensor(widths)[:, None]  # [R, width]: each row's real tokens
-    packed = {}
-    for k in ("input_ids", "target_ids"):
-        packed[k] = torch.zeros(1, total, dtype=mb[k].dtype)
-        packed[k][0, row_positions[keep]] = mb[k][keep]
-    return dict(packed, pack=pack, row_positions=row_positions)
 
 
 # -----------------------------------------------------------------------------
@@ -3496,108 +3107,6 @@ def prompt_indices(step, rank, world_size, args, num_examples):
     return indices
 
 
-def all_reduce(tensor, op=dist.ReduceOp.SUM):
-    """Reduce over all ranks, in place. NCCL reduces GPU tensors only: a CPU tensor goes through the GPU there."""
-    if dist.is_initialized():
-        if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
-            tensor.copy_(all_reduce(tensor.cuda(), op))
-        else:
-            dist.all_reduce(tensor, op=op)
-    return tensor
-
-
-def buckets(tensors, bucket_bytes=64 * 2 ** 20):
-    """tensors in runs of about bucket_bytes: one collective per run rather than one per tensor (a 20-layer model has
-    over a hundred), each element reduced exactly as a per-tensor collective reduces it."""
-    run, size = [], 0
-    for t in tensors:
-        run.append(t)
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield run
-            run, size = [], 0
-    if run:
-        yield run
-
-
-def reduce_gradients(params, owners=None, bucket_bytes=64 * 2 ** 20):
-    """Sum the gradients over ranks: onto every rank, or with a sharded optimizer onto each weight's owner only
-    (the other ranks then drop theirs)."""
-    if not dist.is_initialized():
-        return
-    rank = dist.get_rank()
-    for owner in range(dist.get_world_size()) if owners else [None]:
-        for grads in buckets([p.grad for p in params if owners is None or owners[id(p)] == owner], bucket_bytes):
-            flat = torch.cat([g.flatten() for g in grads])
-            if owner is None:
-                dist.all_reduce(flat)
-            else:
-                dist.reduce(flat, dst=owner)
-            if owner in (None, rank):
-                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(reduced.view_as(g))
-    for p in params:
-        if owners and owners[id(p)] != rank:
-            p.grad = None
-
-
-def broadcast_weights(params, owners, bucket_bytes=64 * 2 ** 20):
-    """Every weight from the rank that stepped it (sharded optimizer) to all the others."""
-    for owner in range(dist.get_world_size()):
-        for weights in buckets([p.detach() for p in params if owners[id(p)] == owner], bucket_bytes):
-            flat = torch.cat([w.flatten() for w in weights])
-            dist.broadcast(flat, src=owner)
-            for w, new in zip(weights, flat.split([w.numel() for w in weights])):
-                w.copy_(new.view_as(w))
-
-
-def shard_owners(params, world_size):
-    """A sharded optimizer's plan: each trainable weight's owner rank. Whole tensors (Muon orthogonalises a matrix
-    whole), the largest first, each to the rank that holds the fewest elements so far. -> {id(param): rank}"""
-    load, owners = [0] * world_size, {}
-    for p in sorted(params, key=lambda p: -p.numel()):  # a stable sort: equal sizes keep the model's order
-        owner = load.index(min(load))
-        owners[id(p)] = owner
-        load[owner] += p.numel()
-    return owners
-
-
-def gathered_optimizer_states(optimizers, owners):
-    """-> every optimizer's whole state_dict, for rank 0 to save. With a sharded optimizer each weight's state comes
-    from its owner, tensor by tensor, to rank 0's CPU memory (never all of it on one GPU); the others get None."""
-    states = [opt.state_dict() for opt in optimizers]
-    if not owners:
-        return states
-    rank = dist.get_rank()
-    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    for opt, state in zip(optimizers, states):
-        for index, p in enumerate(p for group in opt.param_groups for p in group["params"]):
-            owner = owners[id(p)]
-            if owner == 0 or rank not in (0, owner):
-                continue
-            if rank == owner:
-                entry = state["state"].get(index, {})
-                # first what the entry holds (names, and each tensor's shape and dtype), then its tensors
-                dist.send_object_list([{k: ("tensor", v.shape, v.dtype) if torch.is_tensor(v) else v
-                                        for k, v in entry.items()}], dst=0)
-                for v in entry.values():
-                    if torch.is_tensor(v):
-                        dist.send(v.to(wire).contiguous(), dst=0)
-            else:
-                described = [None]
-                dist.recv_object_list(described, src=owner)
-                entry = {}
-                for k, v in described[0].items():
-                    if isinstance(v, tuple) and v[0] == "tensor":
-                        received = torch.empty(v[1], dtype=v[2], device=wire)
-                        dist.recv(received, src=owner)
-                        v = received.cpu()
-                    entry[k] = v
-                if entry:
-                    state["state"][index] = entry
-    return states if rank == 0 else None
-
-
 def leave_process_group():
     if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort
         dist.barrier()
@@ -3616,8 +3125,7 @@ COMPARE_HEADER = ["run", "task", "preset", "advantage", "seeds", "steps", "rewar
 
 def eval_score_key(config, watched=""):
     """The metric that ranks runs: of the trained task, or of a watched one (--eval-task) by its name."""
-    scores = config.get("scores") or {"": task_attribute(config["task"], "score", "reward")}  # runs from before
-    return f"eval_{watched + '_' if watched else ''}{scores[watched]}"
+    return f"eval_{watched + '_' if watched else ''}{config['scores'][watched]}"
 
 
 def watched_tasks(configurations):
@@ -3685,14 +3193,13 @@ def compare_runs(run_dirs, plot_path):
 
 def preset_of(config):
     """The preset whose algorithm flags a run ran with, whatever its --algo (reinforce with the ladder's four flags
-    is grpo), its own --algo first where presets coincide; else "custom". A flag the run's config.json lacks ran as
-    it did before the flag (SINCE); under GDPO --advantage is idle."""
+    is grpo), its own --algo first where presets coincide; else "custom". Under GDPO --advantage is idle."""
     idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
     for name in sorted(PRESETS, key=lambda name: name != config["algo"]):
         preset = dict(PRESETS[name])
         if preset["clip_eps_high"] is None:  # as resolve_config sets it: the clip's upper side is its lower one
             preset["clip_eps_high"] = preset["clip_eps"]
-        if all(k in idle or config.get(k, SINCE.get(k, v)) == v for k, v in preset.items()):
+        if all(k in idle or config.get(k) == v for k, v in preset.items()):
             return name
     return "custom"
 

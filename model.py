@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import tiktoken
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -1008,6 +1009,45 @@ def pack_rows(widths, total, max_rows, max_len):
     return dict(offsets=offsets, cu_seqlens=cu_seqlens, rows=rows, flat=flat, max_len=max_len), rows[:len(widths)]
 
 
+def in_rows(values, mb):
+    """A pass's per-position values [1, total, ...] (packed) or [R, width, ...] -> the rows' layout [R, width, ...]."""
+    return values.flatten(0, 1)[mb["row_positions"]] if values is not None and "pack" in mb else values
+
+
+def first_fit_decreasing(rows, widths, budget):
+    """rows -> passes of rows whose widths sum to at most budget: each row, longest first, into the first pass with
+    room (first-fit decreasing: within 11/9 of the fewest passes). A row wider than the budget (refused at start,
+    plan_memory) gets a pass of its own."""
+    passes, room = [], []
+    for r in sorted(rows, key=lambda r: -widths[r]):  # a stable sort: equal widths keep their order
+        i = next((i for i, free in enumerate(room) if free >= widths[r]), len(passes))
+        if i == len(passes):
+            passes.append([])
+            room.append(budget)
+        passes[i].append(r)
+        room[i] -= widths[r]
+    return passes
+
+
+def pack_micro_batch(mb, widths, budget, static):
+    """A micro-batch's rows [R, width] as one packed sequence: -> its input_ids and target_ids as [1, total],
+    the pack GPT.hidden takes, and row_positions [R, width] (each row token's flat position in the sequence). total:
+    the rows' tokens, or with static (rows, tokens a row) the budget, the tail padded, and the pack's tensors padded
+    to those sizes: one shape for every pass of the run, so that a compiled forward is built once."""
+    real = sum(widths)
+    total, max_rows, max_len = (real, len(widths), max(widths)) if static is None else (
+        max(budget, real), max(static[0], len(widths)), max(static[1], max(widths)))
+    pack, row_positions = pack_rows(widths, total, max_rows, max_len)
+    width = mb["input_ids"].size(1)
+    row_positions = row_positions[:, :width]
+    keep = torch.arange(width)[None] < torch.tensor(widths)[:, None]  # [R, width]: each row's real tokens
+    packed = {}
+    for k in ("input_ids", "target_ids"):
+        packed[k] = torch.zeros(1, total, dtype=mb[k].dtype)
+        packed[k][0, row_positions[keep]] = mb[k][keep]
+    return dict(packed, pack=pack, row_positions=row_positions)
+
+
 def decode_step(model, cache, temperature, top_k, token, noise):
     """token [N] -> (sampled [N], log-probs [N]): one token through the model with the cache, then sampled."""
     logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
@@ -1079,6 +1119,326 @@ def capture(step, cache, token, noise):
 
 
 # -----------------------------------------------------------------------------
+# nanochat's optimizers (its setup_optimizer, beside the GPT as nanoGPT's configure_optimizers)
+
+# nanochat's optimizer, as its RL script of each generation builds it (five versions in 2025-2026). Muon for the
+# matrices inside the blocks: Nesterov momentum, then an orthogonalised update (U V^T of the momentum G = U S V^T,
+# approximated by a few matrix polynomials), scaled by sqrt(max(1, rows / cols)). AdamW for embeddings, head,
+# gains and gates. What changed from version to version, one row each:
+#   orthogonalise: "quintic" = one polynomial 5 times (X / (|X|_F + 1e-7)); "polar" = Polar Express, 5 polynomials
+#                  (X / (|X|_F * divisor + 1e-6))
+#   normuon:       beta2 of NorMuon's factored second moment (per row or column of the update), None: off
+#   muon_decay:    --weight-decay goes to Muon as cautious decay (only where update and weight agree in sign);
+#                  else it goes to AdamW
+#   equilibrate:   rows rescaled to the mean row norm before orthogonalising (MuonEq)
+#   renormalise:   the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)) (Muon+)
+#   adamw:         "torch" = torch's AdamW; "nanochat" = nanochat's own AdamW step (the same math, its rounding)
+#   groups:        AdamW group -> (betas, weight decay); "flag": --weight-decay
+#   value_embed_lr: the value embeddings' lr as a fraction of --embedding-lr
+def adamw_row(lm_head, wte, value_embeds, resid, x0, smear=((0.8, 0.95), 0.0)):
+    return dict(lm_head=lm_head, wte=wte, value_embeds=value_embeds, resid_lambdas=resid, x0_lambdas=x0, smear=smear)
+
+
+V1_ADAMW = adamw_row(*[((0.8, 0.95), "flag")] * 2, *[((0.8, 0.95), 0.0)] * 3)  # groups it lacked: as they began
+V2_ADAMW = adamw_row(*[((0.8, 0.95), 0.0)] * 5)
+V3_ADAMW = dict(V2_ADAMW, x0_lambdas=((0.96, 0.95), 0.0))
+V4_ADAMW = adamw_row(((0.8, 0.96), 0.01), ((0.8, 0.995), 0.001), ((0.8, 0.995), 0.01), ((0.8, 0.95), 0.05),
+                     ((0.96, 0.95), 0.0))
+OPTIMIZER_VERSIONS = {  # nanochat's commits: V1 Oct-Dec 2025, V2 Dec 2025-Jan 2026, V3 Jan-Mar, V4 Mar 9, V5 Mar 14 on
+    "v1": dict(orthogonalise="quintic", divisor=None, normuon=None, muon_decay=False, equilibrate=False,
+               renormalise=False, adamw="torch", groups=V1_ADAMW, value_embed_lr=1.0),
+    "v2": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="torch", groups=V2_ADAMW, value_embed_lr=1.0),
+    "v3": dict(orthogonalise="polar", divisor=1.02, normuon=0.95, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="nanochat", groups=V3_ADAMW, value_embed_lr=1.0),
+    "v4": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=False,
+               renormalise=False, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
+    "v5": dict(orthogonalise="polar", divisor=1.01, normuon=0.9, muon_decay=True, equilibrate=True,
+               renormalise=True, adamw="nanochat", groups=V4_ADAMW, value_embed_lr=0.5),
+}
+# the version nanochat's RL script used at each generation's commits
+GENERATION_OPTIMIZER = {"classic": "v1", "padded-vocab": "v2", "lambdas-windows": "v2", "value-embeds": "v3",
+                        "softcap20": "v3", "ve12-qk115": "v4", "smear-backout": "v5"}
+QUINTIC = [(3.4445, -4.7750, 2.0315)] * 5
+POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),  # Amsel et al. 2025, 5 steps
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def frobenius(X):
+    """The Frobenius norm of each matrix of a stack X [N, rows, cols] -> [N, 1, 1], each as torch computes it for
+    that matrix alone (foreach norm): a matrix's step does not depend on which others share its stack."""
+    return torch.stack(torch._foreach_norm(list(X.unbind(0)))).view(-1, 1, 1)
+
+
+def orthogonalise(G, version):
+    """~ U V^T for each matrix G = U S V^T of a stack G [N, rows, cols]: polynomials X <- a X + (b A + c A^2) X,
+    A = X X^T, that push every singular value of X towards 1. bf16 on CUDA, as nanochat runs it; float32
+    elsewhere."""
+    X = G.bfloat16() if G.is_cuda else G.float()
+    if version["equilibrate"]:  # every row to the mean row norm
+        X = X * (frobenius(X) / X.size(-2) ** 0.5) / X.norm(dim=-1, keepdim=True).clamp(min=1e-6)
+    if version["orthogonalise"] == "quintic":
+        X, coefficients = X / (frobenius(X) + 1e-7), QUINTIC
+    else:
+        X, coefficients = X / (frobenius(X) * version["divisor"] + 1e-6), POLAR_EXPRESS
+    transposed = X.size(-2) > X.size(-1)  # iterate on the smaller Gram matrix
+    if transposed:
+        X = X.mT
+    for a, b, c in coefficients:  # each sum inside its product (baddbmm): 3 kernels a polynomial, not 8
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = (X.mT if transposed else X).to(G.dtype)
+    if version["renormalise"]:
+        X = X * min(X.shape[-2:]) ** 0.5 / frobenius(X).clamp(min=1e-6)
+    return X
+
+
+MUON_STACK_BYTES = 2 ** 27  # float32 bytes of one stack of same-shape matrices, at most (memory_plan counts 10)
+
+
+class Muon(torch.optim.Optimizer):
+    """nanochat's Muon of one version (OPTIMIZER_VERSIONS) for 2-D weights. The matrices of one shape step as one
+    stack (as nanochat's own Muon steps them), of at most MUON_STACK_BYTES: one kernel for all of them where a loop
+    launched ~50 for each, and on a GPU the host's launches were most of Muon's time (docs/performance.md)."""
+
+    def __init__(self, params, lr, version, weight_decay=0.0, momentum=0.95):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum))
+        self.version = version
+
+    @staticmethod
+    def stacks(params):
+        """-> the stacks these matrices step in: of one shape, at most MUON_STACK_BYTES each, in their order."""
+        shapes = {}
+        for p in params:
+            shapes.setdefault(tuple(p.shape), []).append(p)
+        stacks = []
+        for (rows, cols), same in shapes.items():
+            per_stack = max(1, MUON_STACK_BYTES // (rows * cols * 4))
+            stacks += [same[i:i + per_stack] for i in range(0, len(same), per_stack)]
+        return stacks
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:  # as torch's optimizers: no gradient, no step
+            for stack in self.stacks([p for p in group["params"] if p.grad is not None]):
+                self.step_stack(stack, group)
+
+    def step_stack(self, params, group):
+        version = OPTIMIZER_VERSIONS[self.version]
+        rows, cols = params[0].shape
+        dim = -1 if rows >= cols else -2  # NorMuon's moments: one per row (per column if wide)
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state["momentum"] = torch.zeros_like(p)
+                if version["normuon"] is not None:
+                    state["second_moment"] = torch.zeros_like(p.sum(dim, keepdim=True))
+        if params[0].is_meta:  # the memory plan steps the optimizers on meta tensors only to count their state: the
+            return  # update's ops there compute nothing, through torch's Python meta kernels (0.1 s a run)
+        momentum = torch.stack([state["momentum"] for state in states])  # [N, rows, cols], as each one below
+        grads = torch.stack([p.grad for p in params])
+        momentum.lerp_(grads, 1 - group["momentum"])
+        update = orthogonalise(grads.lerp_(momentum, group["momentum"]), version)  # Nesterov
+        if version["normuon"] is not None:  # NorMuon: equalise the update's rows (or columns), keep its norm
+            second_moment = torch.stack([state["second_moment"] for state in states])
+            second_moment.lerp_((update * update).mean(dim, True), 1 - version["normuon"])
+            scaled = update * second_moment.clamp(min=1e-10).rsqrt()
+            update = scaled * (frobenius(update) / frobenius(scaled).clamp(min=1e-10))
+            torch._foreach_copy_([state["second_moment"] for state in states], list(second_moment.unbind(0)))
+        lr = group["lr"] * max(1, rows / cols) ** 0.5
+        weights = torch.stack(params)
+        if group["weight_decay"]:  # cautious: decay only where the update pushes the same way
+            weights.sub_(lr * group["weight_decay"] * weights * (update * weights >= 0))
+        weights.add_(update, alpha=-lr)
+        torch._foreach_copy_(params, list(weights.unbind(0)))
+        torch._foreach_copy_([state["momentum"] for state in states], list(momentum.unbind(0)))
+
+
+class NanochatAdamW(torch.optim.Optimizer):
+    """nanochat's own AdamW step (from its optimizer version v3): decoupled decay, then Adam with bias correction."""
+
+    def __init__(self, params, lr, betas, eps=1e-10, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                p.mul_(1 - lr * group["weight_decay"])
+                m.lerp_(p.grad, 1 - beta1)
+                v.lerp_(p.grad.square(), 1 - beta2)
+                denominator = (v / (1 - beta2 ** t)).sqrt() + group["eps"]
+                p.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** t))
+
+
+def optimizer_version(model, args):
+    """--optimizer-version; else the one a checkpoint of this program was trained with, as its meta records; else
+    the one of the checkpoint's generation; a model from scratch: nanochat's newest (the demo learns faster with it:
+    docs/demo.md)."""
+    if args.optimizer_version:
+        return args.optimizer_version
+    if getattr(model, "trained_optimizer", None) in OPTIMIZER_VERSIONS:
+        return model.trained_optimizer
+    return "v5" if args.init == "scratch" else GENERATION_OPTIMIZER[model.generation_name]
+
+
+def make_optimizers(model, args):
+    if args.lora_rank:  # only the adapters train
+        optimizers = [torch.optim.AdamW(model.lora.parameters(), lr=args.lora_lr, weight_decay=args.weight_decay)]
+    elif args.optimizer == "adamw":
+        optimizers = [torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)]
+    else:  # nanochat's: Muon for the matrices inside the blocks, AdamW for the rest, in nanochat's groups
+        name = optimizer_version(model, args)
+        version = OPTIMIZER_VERSIONS[name]
+        scale = (model.config.n_embd / 768) ** -0.5  # AdamW lrs were tuned at width 768: scaled as 1/sqrt(width)
+        homes = [("wte", [model.transformer.wte.weight], args.embedding_lr * scale),
+                 ("lm_head", [model.lm_head.weight], args.unembedding_lr * scale)]
+        if model.value_embeds:
+            homes.append(("value_embeds", list(model.value_embeds.parameters()),
+                          args.embedding_lr * scale * version["value_embed_lr"]))
+        if model.generation.lambdas:  # gains: lrs not scaled by width
+            homes += [("resid_lambdas", [model.resid_lambdas], 0.005), ("x0_lambdas", [model.x0_lambdas], 0.5)]
+        if model.generation.smear_backout:
+            homes.append(("smear", [model.smear_gate.weight, model.smear_lambda, model.backout_lambda], 0.2))
+        adam_groups = []
+        for home, params, lr in homes:
+            betas, decay = version["groups"][home]
+            adam_groups.append(dict(params=params, lr=lr, betas=betas,
+                                    weight_decay=args.weight_decay if decay == "flag" else decay))
+        adamw = NanochatAdamW if version["adamw"] == "nanochat" else torch.optim.AdamW
+        optimizers = [adamw(adam_groups, lr=0.0, betas=(0.8, 0.95), eps=1e-10),
+                      Muon(model.transformer.h.parameters(), lr=args.matrix_lr, version=name,
+                           weight_decay=args.weight_decay if version["muon_decay"] else 0.0)]
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] *= args.init_lr_frac
+    homed = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    trainable = [id(p) for p in model.parameters() if p.requires_grad]
+    assert sorted(homed) == sorted(trainable), "a trainable parameter with no optimizer, or two"
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+# -----------------------------------------------------------------------------
+# Over ranks: the gradients' sum, a sharded optimizer's weights and state (identity in a single process)
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """Reduce over all ranks, in place. NCCL reduces GPU tensors only: a CPU tensor goes through the GPU there."""
+    if dist.is_initialized():
+        if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+            tensor.copy_(all_reduce(tensor.cuda(), op))
+        else:
+            dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def buckets(tensors, bucket_bytes=64 * 2 ** 20):
+    """tensors in runs of about bucket_bytes: one collective per run rather than one per tensor (a 20-layer model has
+    over a hundred), each element reduced exactly as a per-tensor collective reduces it."""
+    run, size = [], 0
+    for t in tensors:
+        run.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
+
+
+def reduce_gradients(params, owners=None, bucket_bytes=64 * 2 ** 20):
+    """Sum the gradients over ranks: onto every rank, or with a sharded optimizer onto each weight's owner only
+    (the other ranks then drop theirs)."""
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    for owner in range(dist.get_world_size()) if owners else [None]:
+        for grads in buckets([p.grad for p in params if owners is None or owners[id(p)] == owner], bucket_bytes):
+            flat = torch.cat([g.flatten() for g in grads])
+            if owner is None:
+                dist.all_reduce(flat)
+            else:
+                dist.reduce(flat, dst=owner)
+            if owner in (None, rank):
+                for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(reduced.view_as(g))
+    for p in params:
+        if owners and owners[id(p)] != rank:
+            p.grad = None
+
+
+def broadcast_weights(params, owners, bucket_bytes=64 * 2 ** 20):
+    """Every weight from the rank that stepped it (sharded optimizer) to all the others."""
+    for owner in range(dist.get_world_size()):
+        for weights in buckets([p.detach() for p in params if owners[id(p)] == owner], bucket_bytes):
+            flat = torch.cat([w.flatten() for w in weights])
+            dist.broadcast(flat, src=owner)
+            for w, new in zip(weights, flat.split([w.numel() for w in weights])):
+                w.copy_(new.view_as(w))
+
+
+def shard_owners(params, world_size):
+    """A sharded optimizer's plan: each trainable weight's owner rank. Whole tensors (Muon orthogonalises a matrix
+    whole), the largest first, each to the rank that holds the fewest elements so far. -> {id(param): rank}"""
+    load, owners = [0] * world_size, {}
+    for p in sorted(params, key=lambda p: -p.numel()):  # a stable sort: equal sizes keep the model's order
+        owner = load.index(min(load))
+        owners[id(p)] = owner
+        load[owner] += p.numel()
+    return owners
+
+
+def gathered_optimizer_states(optimizers, owners):
+    """-> every optimizer's whole state_dict, for rank 0 to save. With a sharded optimizer each weight's state comes
+    from its owner, tensor by tensor, to rank 0's CPU memory (never all of it on one GPU); the others get None."""
+    states = [opt.state_dict() for opt in optimizers]
+    if not owners:
+        return states
+    rank = dist.get_rank()
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    for opt, state in zip(optimizers, states):
+        for index, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+            owner = owners[id(p)]
+            if owner == 0 or rank not in (0, owner):
+                continue
+            if rank == owner:
+                entry = state["state"].get(index, {})
+                # first what the entry holds (names, and each tensor's shape and dtype), then its tensors
+                dist.send_object_list([{k: ("tensor", v.shape, v.dtype) if torch.is_tensor(v) else v
+                                        for k, v in entry.items()}], dst=0)
+                for v in entry.values():
+                    if torch.is_tensor(v):
+                        dist.send(v.to(wire).contiguous(), dst=0)
+            else:
+                described = [None]
+                dist.recv_object_list(described, src=owner)
+                entry = {}
+                for k, v in described[0].items():
+                    if isinstance(v, tuple) and v[0] == "tensor":
+                        received = torch.empty(v[1], dtype=v[2], device=wire)
+                        dist.recv(received, src=owner)
+                        v = received.cpu()
+                    entry[k] = v
+                if entry:
+                    state["state"][index] = entry
+    return states if rank == 0 else None
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints, in nanochat's layout: <base>/<source>_checkpoints/<tag>/{model,meta}_<step:06d>.{pt,json}
 
 def nanochat_base_dir():
@@ -1105,6 +1465,33 @@ def checkpoint_steps(checkpoint_dir):
     """The steps of the model_<step>.pt files in this folder (listed, not globbed: a name may hold [ ] * ?)."""
     names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
     return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"model_(\d+)\.pt", name)))
+
+
+def checkpoint_folder(path):
+    """A checkpoint folder as given, or a run folder of this program: its checkpoints' folder."""
+    runs = os.path.join(path, "chatrl_checkpoints")
+    if not checkpoint_steps(path) and os.path.isdir(runs) and len(os.listdir(runs)) == 1:
+        return os.path.join(runs, os.listdir(runs)[0])
+    return path
+
+
+def loadable_steps(folder):
+    """The steps of a checkpoint folder with both their model and meta files: those --init and --teacher can load."""
+    return [s for s in checkpoint_steps(folder) if os.path.isfile(os.path.join(folder, f"meta_{s:06d}.json"))]
+
+
+def tokenizer_path(checkpoint_dir):
+    """<base>/<source>_checkpoints/<tag> -> <base>/tokenizer/tokenizer.pkl, else nanochat's default base."""
+    base = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_dir)))
+    beside = os.path.join(base, "tokenizer", "tokenizer.pkl")
+    return beside if os.path.isfile(beside) else os.path.join(nanochat_base_dir(), "tokenizer", "tokenizer.pkl")
+
+
+def complete_steps(checkpoint_dir):
+    """The steps whose model, meta and training state files were all written: the ones a run can resume from."""
+    return [s for s in checkpoint_steps(checkpoint_dir) if all(
+        os.path.isfile(os.path.join(checkpoint_dir, f"{kind}_{s:06d}.{ext}"))
+        for kind, ext in (("meta", "json"), ("state", "pt")))]
 
 
 def load_checkpoint(checkpoint_dir, step=None, generation=None, window_pattern=None, log=print, shapes_only=False):

@@ -17,7 +17,7 @@ with parts {"type": "text" | "python" | "python_output", "text": str}. The train
 - respond: None (one assistant turn, the default), or a method respond(conversation, episode) -> the next user
   message (text), or None to end the episode: called after each assistant turn that ends in <|assistant_end|>, with
   episode the turns so far, [{"role": "assistant" | "user", "content": str}, ...], ending with the assistant's
-  (grpo.py's episode_turns: the turns come from the token ids and the sampler's mask, never from decoded text).
+  (episode_turns, below: the turns come from the token ids and the sampler's mask, never from decoded text).
   An episode's task is graded once, at its end: reward, reward_parts, evaluate and eval_metrics get the
   conversation with "episode" (all its turns; each assistant turn's "ended": "turn" (it sampled
   <|assistant_end|>), "capped" (--max-turn-tokens), "quit" (<|bos|>) or "cut" (the token budget)) and the last
@@ -280,7 +280,7 @@ class OwnTask:
 
     @property
     def respond(self):
-        respond = getattr(self.task, "respond", None)
+        respond = self.task.respond
         if respond is None:
             return None
 
@@ -347,7 +347,7 @@ def build(spec, split, args):
                                  passes=(OSError, ValueError)), spec, split)
     if getattr(args, "attempts", 1) == 1:
         return task
-    if getattr(task, "respond", None) is not None:
+    if task.respond is not None:
         raise ValueError(f"--task {spec} answers the assistant itself (respond): --attempts {args.attempts} would "
                          "replace its answers; leave --attempts out")
     return Attempts(task, args.attempts)
@@ -396,6 +396,88 @@ class Attempts:
         right = [self.task.evaluate(conversation, turn["content"]) for turn in turns if turn["role"] == "assistant"]
         return dict(self.task.eval_metrics(conversation, reply_text),
                     **{f"correct@{k}": float(any(right[:k])) for k in range(1, self.attempts + 1)})
+
+
+# Episodes: an episode's turns read back from what generate wrote (its token ids and the sampler's mask)
+
+def reply_text(tokenizer, samples, row):
+    """A sampled reply as text for the grader, without its stop token."""
+    length = samples["lengths"][row].item() - (0 if samples["truncated"][row] else 1)
+    return tokenizer.decode(samples["tokens"][row, :length].tolist())
+
+
+def episode_turns(tokenizer, tokens, mask):
+    """A row's tokens and sampler mask (lists, up to its length) -> its turns, [{"role", "content"}, ...]. The
+    boundaries come from the ids and the mask, never from decoded text (the model may sample <|user_start|> inside
+    its own turn): an assistant turn ends at <|assistant_end|>, sampled ("ended": "turn") or forced at
+    --max-turn-tokens ("capped": no forced run holds it, a user's message and a tool's output being plain tokens), or
+    at a sampled <|bos|> ("quit"); then the forced run <|user_start|> message <|user_end|> <|assistant_start|> is
+    the user's turn (a run the token budget cut is left out: the model never read it whole); a last turn with no end
+    was cut ("cut")."""
+    turns, start, i = [], 0, 0
+    while i < len(tokens):
+        if tokens[i] == tokenizer.assistant_end or mask[i] and tokens[i] == tokenizer.bos:
+            ended = "quit" if tokens[i] == tokenizer.bos else "turn" if mask[i] else "capped"
+            turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:i]), ended=ended))
+            try:  # the user's message holds no special token: the first forced <|assistant_start|> closes it
+                start = next(j for j in range(i + 1, len(tokens)) if tokens[j] == tokenizer.assistant_start
+                             and not mask[j]) + 1
+            except StopIteration:
+                return turns
+            turns.append(dict(role="user", content=tokenizer.decode(tokens[i + 2:start - 2])))
+            i = start
+            continue
+        i += 1
+    # the budget may end right after the user's turn: the reply graded is then the empty one the model had no room
+    # for, never the user's message
+    if start < len(tokens) or turns and turns[-1]["role"] == "user":
+        turns.append(dict(role="assistant", content=tokenizer.decode(tokens[start:]), ended="cut"))
+    return turns
+
+
+def episode_responder(task, tokenizer, conversations, G, max_turns):
+    """-> generate's respond (row, tokens, mask) -> the task's next user message or None, for these conversations
+    (G rows each), at most max_turns assistant turns an episode; None for a task of one turn."""
+    if task.respond is None:
+        return None
+
+    def respond(row, tokens, mask):
+        turns = episode_turns(tokenizer, tokens, mask)
+        if sum(turn["role"] == "assistant" for turn in turns) >= max_turns:
+            return None
+        return task.respond(conversations[row // G], turns)
+    return respond
+
+
+def episode_ends(tokenizer, samples):
+    """The step's episodes, summed: episode_turns (assistant turns), and how each ended: episode_end_done (the
+    task ended it, or --max-turns did), episode_end_quit (the model sampled <|bos|>), episode_end_budget (cut at
+    --max-new-tokens, in a turn of either side)."""
+    sums = dict(episode_turns=0, episode_end_done=0, episode_end_quit=0, episode_end_budget=0)
+    tokens, mask = samples["tokens"].tolist(), samples["mask"].tolist()
+    for row, (length, cut) in enumerate(zip(samples["lengths"].tolist(), samples["truncated"].tolist())):
+        turns = [turn for turn in episode_turns(tokenizer, tokens[row][:length], mask[row][:length])
+                 if turn["role"] == "assistant"]
+        sums["episode_turns"] += len(turns)
+        ended = "budget" if cut else "quit" if turns[-1]["ended"] == "quit" else "done"
+        sums[f"episode_end_{ended}"] += 1
+    return sums
+
+
+def episode_of(conversation):
+    """{"episode": its turns} for a graded episode (the samples and eval files show it turn by turn), {} for a
+    one-turn reply."""
+    return {"episode": conversation["episode"]} if "episode" in conversation else {}
+
+
+def graded(task, tokenizer, conversation, samples, row):
+    """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
+    episode's task the conversation with "episode" (its turns) and the last assistant turn."""
+    if task.respond is None:
+        return conversation, reply_text(tokenizer, samples, row)
+    length = samples["lengths"][row].item()
+    turns = episode_turns(tokenizer, samples["tokens"][row, :length].tolist(), samples["mask"][row, :length].tolist())
+    return dict(conversation, episode=turns), turns[-1]["content"]
 
 
 def code_fingerprint(spec):

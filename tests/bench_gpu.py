@@ -42,6 +42,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+import model as model_module  # noqa: E402
 from bench_shared import PEAK_BF16_TFLOPS, describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
 from bench_shared import timed  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
@@ -230,7 +231,7 @@ def training_step(bench, model, prompts, algo, compiled, layout, samples=None):
     step_args.compile = compiled  # as a run's start sets it
     policy = copy.deepcopy(model)
     policy.use_compile = compiled  # as grpo.py's --compile, before the reference copy
-    optimizers = grpo.make_optimizers(policy, step_args)
+    optimizers = model_module.make_optimizers(policy, step_args)
     ref_model = copy.deepcopy(policy).requires_grad_(False) if step_args.kl_coef > 0 else None
     if bench.cuda:
         torch.cuda.reset_peak_memory_stats(bench.device)

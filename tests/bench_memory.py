@@ -41,6 +41,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+import model as model_module  # noqa: E402
 from model import GPT, GPTConfig, Tokenizer, save_checkpoint  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,21 +234,21 @@ def head_chunk(k=64):
 
 
 def muon_step():
-    """Muon's step beside the gradients, in float32 copies of one of its stacks (grpo.MUON_STACK_BYTES): 8 matrices
+    """Muon's step beside the gradients, in float32 copies of one of its stacks (model_module.MUON_STACK_BYTES): 8 matrices
     of one shape in stacks of 4, one optimizer_step (the measurement's copy included) after one that made the state."""
     print("Muon's step (grpo.optimizer_step), torch's allocated peak above its start on the CPU, in stacks:")
     for version in ("v1", "v5"):
         for shape in ((512, 512), (1024, 256), (256, 1024)):
-            grpo.MUON_STACK_BYTES = 4 * shape[0] * shape[1] * 4
+            model_module.MUON_STACK_BYTES = 4 * shape[0] * shape[1] * 4
             params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(shape)) for _ in range(8)])
-            optimizer, stats = grpo.Muon(params, lr=0.02, version=version, weight_decay=0.1), grpo.update_stats("cpu")
+            optimizer, stats = model_module.Muon(params, lr=0.02, version=version, weight_decay=0.1), grpo.update_stats("cpu")
             for counted in (False, True):
                 for p in params:
                     p.grad = torch.randn(shape)
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
                 with profiler if counted else nullcontext():
                     grpo.optimizer_step(params, [optimizer], stats, 0.0)
-            print(f"  {version}, {shape[0]} x {shape[1]}: {cpu_allocated_peak(profiler) / grpo.MUON_STACK_BYTES:.2f}")
+            print(f"  {version}, {shape[0]} x {shape[1]}: {cpu_allocated_peak(profiler) / model_module.MUON_STACK_BYTES:.2f}")
 
 
 def plans():

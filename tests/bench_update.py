@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+import model as model_module  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 aten = torch.ops.aten
@@ -82,7 +83,7 @@ def measure(args, model, ref_model, prompts, samples, rewards, size, pack):
     args.device_batch_size, args.tokens_per_pass = (None, size) if pack else (size, None)
     batch = grpo.make_batch(prompts, samples, rewards, args)
     micro_batches = len(batch["micro_batches"])
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     counter, flops = CountOps(), FlopCounterMode(display=False)
     with counter, flops:
         stats, _ = grpo.policy_update(model, optimizers, batch, args, nullcontext(), ref_model)
@@ -96,7 +97,7 @@ def count_optimizer_step(model, args):
     """Aten ops of one optimizer step (optimizer_step: the step and its measurement) and of Muon's step alone, per
     matrix: on a GPU each is a kernel launch from the host, and Muon's eager step waited on them (d20's update on an
     H200: docs/performance.md)."""
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     stats, gen = grpo.update_stats(torch.device("cpu")), torch.Generator().manual_seed(0)
 
     def set_gradients():
@@ -108,12 +109,12 @@ def count_optimizer_step(model, args):
     whole, muon_alone = CountOps(), CountOps()
     with whole:
         grpo.optimizer_step(model, optimizers, stats, 0.0)
-    muon = next(opt for opt in optimizers if isinstance(opt, grpo.Muon))
+    muon = next(opt for opt in optimizers if isinstance(opt, model_module.Muon))
     matrices = sum(len(group["params"]) for group in muon.param_groups)
     set_gradients()
     with muon_alone:
         muon.step()
-    print(f"  optimizer step (Muon + AdamW {grpo.optimizer_version(model, args)}): "
+    print(f"  optimizer step (Muon + AdamW {model_module.optimizer_version(model, args)}): "
           f"{whole.ops} ops for {sum(1 for _ in model.parameters())} weights; Muon's step {muon_alone.ops / matrices:.1f} "
           f"ops a matrix ({matrices} matrices)")
 

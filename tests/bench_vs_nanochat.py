@@ -36,6 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+import model as model_module  # noqa: E402
 from bench_shared import PEAK_BF16_TFLOPS, describe, engine_stopping_at, gsm8k_reply_lengths, stopping_at  # noqa: E402
 from bench_shared import timed  # noqa: E402
 from model import Tokenizer, generate, model_from_state  # noqa: E402
@@ -259,7 +260,7 @@ def update_side_by_side(bench, theirs, ours, prompts, rows, tokens_per_pass=None
     else:
         step_args.tokens_per_pass = tokens_per_pass
     step_args.tokens_per_pass = step_args.tokens_per_pass or len(rows) * (bench.prompt_len + bench.max_new_tokens)
-    optimizers = grpo.make_optimizers(ours, step_args)
+    optimizers = model_module.make_optimizers(ours, step_args)
     static = (len(rows), bench.prompt_len + bench.max_new_tokens - 1) if bench.cuda else None
     batch = grpo.to_device(grpo.make_batch(prompts, our_samples(bench, rows, prompts), rewards, step_args, static),
                            bench.device)

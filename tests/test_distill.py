@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 from model import GPT, GPTConfig, save_checkpoint
 from test_generations import FIXTURES, random_model
 from test_grpo import NO_AUTOCAST, TOK, GradRecorder, args_for, run_flags, sampled_batch
@@ -36,9 +37,9 @@ def test_a_teacher_equal_to_the_policy_teaches_nothing():
         copy.deepcopy(model), False, False))
     assert stats["teacher_kl"] == 0 and all(not g.any() for g in recorder.grads[0])
     taught, untaught = copy.deepcopy(model), copy.deepcopy(model)
-    grpo.policy_update(taught, grpo.make_optimizers(taught, args), batch, args, NO_AUTOCAST,
+    grpo.policy_update(taught, model_module.make_optimizers(taught, args), batch, args, NO_AUTOCAST,
                        teacher=grpo.frozen(copy.deepcopy(model), False, False))
-    stats, _ = grpo.policy_update(untaught, grpo.make_optimizers(untaught, args), batch, args, NO_AUTOCAST)
+    stats, _ = grpo.policy_update(untaught, model_module.make_optimizers(untaught, args), batch, args, NO_AUTOCAST)
     assert stats["no_signal_updates"] == args.ppo_epochs and not batch["advantages"].any()  # --advantage none: 0
     for (name, a), b in zip(taught.state_dict().items(), untaught.state_dict().values()):
         assert torch.equal(a, b), name

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import grpo
+import tasks
 from model import generate
 from test_generations import TOK, random_model, random_tokens, replies_that_end_at_different_steps
 from test_own_tasks import TASK_FILE, base_flags
@@ -228,13 +229,12 @@ class Endless:
 def test_an_environment_that_never_ends_is_ended_by_max_turns_and_its_episodes_read_back_turn_by_turn():
     prompts = random_tokens(5, 9)
     model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
-    args = grpo.resolve_config(["--demo", "--max-turns", "3"])
     conversations = [{"messages": [{"role": "user", "content": "x"}]}] * 2
-    respond = grpo.episode_responder(Endless(), TOK, conversations, 4, args)
+    respond = tasks.episode_responder(Endless(), TOK, conversations, 4, max_turns=3)
     samples = generate(model, TOK, prompts, 4, 80, seed=3, respond=respond)
     counts = []
     for row in range(8):
-        conversation, reply = grpo.graded(Endless(), TOK, conversations[0], samples, row)
+        conversation, reply = tasks.graded(Endless(), TOK, conversations[0], samples, row)
         turns = conversation["episode"]
         assistant = [turn for turn in turns if turn["role"] == "assistant"]
         counts.append(len(assistant))
@@ -383,7 +383,7 @@ def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_nev
     first = TOK.encode("7") + [TOK.assistant_end]
     tokens = first + rendered_user_turn("Your answer is wrong. Try again (2 attempts left).")
     mask = [1] * len(first) + [0] * (len(tokens) - len(first))
-    turns = grpo.episode_turns(TOK, tokens, mask)
+    turns = tasks.episode_turns(TOK, tokens, mask)
     assert [t["role"] for t in turns] == ["assistant", "user", "assistant"]
     assert turns[-1] == {"role": "assistant", "content": "", "ended": "cut"}
 

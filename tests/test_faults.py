@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 import model
 from conftest import ROOT, Killed
 
@@ -540,7 +541,7 @@ def test_disk_full_mid_run_keeps_the_last_checkpoint_and_resume_is_exact(tmp_pat
 
 def test_non_finite_weights_stop_before_saving_and_the_advice_works(tmp_path, monkeypatch):
     argv = flags(tmp_path, name="nan")
-    real_step, calls = grpo.Muon.step, []
+    real_step, calls = model_module.Muon.step, []
 
     def overflowing_step(self):  # an update from a finite loss that overflows, on the first update of step 3
         real_step(self)
@@ -552,7 +553,7 @@ def test_non_finite_weights_stop_before_saving_and_the_advice_works(tmp_path, mo
             self.param_groups[0]["params"][0].data[0, 0] = float("inf")
 
     with monkeypatch.context() as mp:
-        mp.setattr(grpo.Muon, "step", overflowing_step)
+        mp.setattr(model_module.Muon, "step", overflowing_step)
         with pytest.raises(SystemExit) as exit_info:
             grpo.main(argv)
     message = exit_info.value.code

@@ -53,7 +53,7 @@ def one_step_of_training(model, optimizer):
     """One optimizer step of nanochat's scheme (or plain AdamW) on a fixed sequence -> names of params that moved."""
     args = Namespace(optimizer=optimizer, lr=1e-3, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
                      init_lr_frac=1.0, weight_decay=0.0, lora_rank=0, optimizer_version=None, init="sft")
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     before = {k: v.clone() for k, v in model.named_parameters()}
     ids = torch.tensor(random_tokens(150))
     model.train()
@@ -372,10 +372,10 @@ def test_one_training_step_moves_every_parameter(generation):
         model = random_model(generation)
         optimizers, moved, names = one_step_of_training(model, optimizer)
         assert moved == names, set(names) - set(moved)
-    adamw, muon = grpo.make_optimizers(model, Namespace(
+    adamw, muon = model_module.make_optimizers(model, Namespace(
         optimizer="muon", matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, init_lr_frac=0.5, weight_decay=0.0,
         lora_rank=0, optimizer_version=None, init="sft"))
-    version = grpo.OPTIMIZER_VERSIONS[grpo.GENERATION_OPTIMIZER[generation]]  # nanochat's of this generation
+    version = model_module.OPTIMIZER_VERSIONS[model_module.GENERATION_OPTIMIZER[generation]]  # nanochat's of this generation
     scale = (64 / 768) ** -0.5
     lrs = {id(p): (g["lr"], *g["betas"]) for g in adamw.param_groups for p in g["params"]}
     gen = GENERATIONS[generation]

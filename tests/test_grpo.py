@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
 from tasks.sort import Sort
@@ -125,7 +126,7 @@ def test_ratio_is_exactly_one_on_the_first_update_of_every_schedule():
     # with a real optimizer the later passes see real ratios
     args = args_for("--algo", "grpo", "--ppo-epochs", "3", "--lr", "0.05")
     model, batch = sampled_batch(args)
-    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    stats, _ = grpo.policy_update(model, model_module.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     assert stats["ratio_max"] > 1.0 and stats["ratio_min"] < 1.0 and stats["clip_frac"] > 0
 
 
@@ -141,7 +142,7 @@ def test_clip_frac_counts_the_passes_that_reuse_the_batch(monkeypatch):
     monkeypatch.setattr(grpo, "clipped_policy_loss", recording)
     args = args_for("--algo", "grpo", "--kl-coef", "0", "--lr", "0.05", "--clip-eps", "0.01")
     model, batch = sampled_batch(args)
-    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    stats, _ = grpo.policy_update(model, model_module.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     mask = batch["micro_batches"][0]["loss_mask"]  # the one micro-batch: rows longest first, cut to the longest
     assert len(batch["micro_batches"]) == 1 and len(clipped_per_pass) == 2 and not clipped_per_pass[0][0].any()
     clipped, log_ratio = clipped_per_pass[1]
@@ -180,7 +181,7 @@ def test_pi_old_is_the_policy_before_the_update_in_every_pass(monkeypatch):
     received, objective = [], grpo.objective
     monkeypatch.setattr(grpo, "objective", lambda logprobs, entropy, frozen, *a: received.append(
         frozen["old"].clone()) or objective(logprobs, entropy, frozen, *a))
-    stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+    stats, _ = grpo.policy_update(model, model_module.make_optimizers(model, args), batch, args, NO_AUTOCAST)
     order = sorted(range(len(before)), key=lambda i: batch["micro_batches"][i]["minibatch"])  # minibatch by minibatch
     expected = [before[i] for _ in range(args.ppo_epochs) for i in order]
     assert len(received) == len(expected) > 4
@@ -216,7 +217,7 @@ def test_an_empty_minibatch_takes_no_optimizer_step():
     # Momentum from an earlier step would move the weights on a zero gradient: an all-masked minibatch must not step.
     args = args_for("--algo", "grpo", "--drop-equal-groups", "--num-minibatches", "2", "--lr", "0.05")
     model, batch = sampled_batch(args)
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch["loss_mask"].zero_()  # every group dropped
@@ -384,7 +385,7 @@ def test_sequence_ratio_equals_token_ratio_when_replies_have_one_token():
         first = batch["loss_mask"].argmax(dim=1)
         batch["loss_mask"].zero_()[torch.arange(len(first)), first] = 1.0  # one policy token per reply
         replan(batch, args)
-        stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST)
+        stats, _ = grpo.policy_update(model, model_module.make_optimizers(model, args), batch, args, NO_AUTOCAST)
         results.append((stats, model.state_dict()))
     (token_stats, token_state), (sequence_stats, sequence_state) = results
     assert token_stats["clip_frac"] > 0 and token_stats["clip_frac"] == sequence_stats["clip_frac"]
@@ -503,7 +504,7 @@ def test_a_step_without_policy_signal_is_the_kl_free_step(optimizer):
         if ref_model is not None:
             for p in ref_model.parameters():
                 p.data.add_(1e-4 * torch.randn_like(p))
-        optimizers = grpo.make_optimizers(model, args)
+        optimizers = model_module.make_optimizers(model, args)
         for _ in range(2):
             stats, _ = grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST, ref_model)
         results.append((model.state_dict(), stats))
@@ -706,41 +707,22 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_sav
         assert a["reward"] == b["reward"] and a["loss"] == b["loss"]
 
 
-def test_a_run_from_before_the_newest_flags_resumes_as_it_ran(tmp_path, run_killed_after_first_save, capsys):
-    # a run folder written before --shard-optimizer, --ref-offload, --sample-batch-size and --pass-size existed
+@pytest.mark.parametrize("version", [None, 1, 3])
+def test_a_run_of_another_version_is_refused_on_resume_in_one_line(tmp_path, run_killed_after_first_save, version):
+    # a run folder written by another version of the program (None: before config.json recorded one) resumes with
+    # neither its old semantics nor today's: one line naming both versions and the way on
     flags = run_flags(tmp_path, "old", "--num-steps", "2", "--save-every", "1", "--algo", "grpo")
     run_killed_after_first_save(flags)
     config_path = tmp_path / "old" / "config.json"
     config = json.load(open(config_path))
-    # (a run from before --pack resumes packed, noted: the same steps up to rounding, like the other memory flags)
-    for k in ("shard_optimizer", "ref_offload", "sample_batch_size", "pass_size", "policy_loss", "sapo_tau_pos", "sapo_tau_neg", "reward_combination", "task_test", "grader",
-              "calculator", "eval_task", "scores", "distill_coef", "teacher", "teacher_step", "teacher_offload"):
-        del config[k]
+    assert config["version"] == grpo.VERSION
+    config.pop("version") if version is None else config.update(version=version)
     config_path.write_text(json.dumps(config))
-    capsys.readouterr()
-    grpo.main(flags + ["--resume"])
-    assert "resumed from step 1" in capsys.readouterr().out
-    assert "resumed_with" not in json.load(open(config_path))  # nothing changed: still one seed of its configuration
-
-
-def test_a_k1_run_from_before_its_score_function_term_resumes_with_a_note(tmp_path, run_killed_after_first_save,
-                                                                          capsys):
-    flags = run_flags(tmp_path, "k1", "--num-steps", "2", "--save-every", "1", "--algo", "grpo", "--kl-estimator",
-                      "k1", "--entropy-coef", "0.01")
-    run_killed_after_first_save(flags)
-    config_path = tmp_path / "k1" / "config.json"
-    config = json.load(open(config_path))
-    assert config["semantics"] == sorted(grpo.SEMANTICS)
-    for k in ("kl_placement", "semantics"):  # as a run from before --kl-placement, which came with the k1 change
-        del config[k]
-    config_path.write_text(json.dumps(config))
-    capsys.readouterr()
-    grpo.main(flags + ["--resume"])
-    out = capsys.readouterr().out
-    assert "resumed from step 1" in out and "k1 in the loss carries its score-function term" in out
-    assert "without policy signal" not in out  # the entropy bonus is a signal: that change does not concern it
-    resumed_with = json.load(open(config_path))["resumed_with"]
-    assert resumed_with == [{"step": 1, "semantics": [[], sorted(grpo.SEMANTICS)]}]
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(flags + ["--resume"])
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --resume: the run was written by grpo.py version {version or 1}, this is "
+                              f"version {grpo.VERSION}") and "--init" in message and "\n" not in message
 
 
 def test_config_json_holds_the_sizes_the_memory_plan_fitted(tmp_path, run_killed_after_first_save, monkeypatch,
@@ -1077,20 +1059,20 @@ def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
     monkeypatch.setattr(grpo.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(grpo.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(grpo.dist, "all_reduce", two_equal_ranks)
-    grpo.reduce_gradients(params, bucket_bytes=4 * 3000)  # 3,000 floats a bucket: several buckets
+    model_module.reduce_gradients(params, bucket_bytes=4 * 3000)  # 3,000 floats a bucket: several buckets
     assert 1 < len(sizes) < len(params) and sum(sizes) == sum(p.numel() for p in params)
     for p, g in zip(params, single):
         assert torch.equal(p.grad, 2 * g)
     sizes.clear()
-    grpo.reduce_gradients(params)
+    model_module.reduce_gradients(params)
     assert len(sizes) == 1  # the default bucket holds this whole model
     # sharded: each weight's gradient is summed onto its owner only; rank 0 keeps its own and drops the rest
     for p, g in zip(params, single):
         p.grad = g.clone()
     destinations = []
     monkeypatch.setattr(grpo.dist, "reduce", lambda tensor, dst: destinations.append(dst) or tensor.mul_(2))
-    owners = grpo.shard_owners(params, 2)
-    grpo.reduce_gradients(params, owners)
+    owners = model_module.shard_owners(params, 2)
+    model_module.reduce_gradients(params, owners)
     assert destinations == [0, 1]  # one bucket per owner
     for p, g in zip(params, single):
         assert torch.equal(p.grad, 2 * g) if owners[id(p)] == 0 else p.grad is None
@@ -1468,7 +1450,7 @@ def test_a_packed_update_takes_the_unpacked_steps(flags):
                 p.data.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
         else:
             ref_model = None
-        stats, _ = grpo.policy_update(model, grpo.make_optimizers(model, args), batch, args, NO_AUTOCAST, ref_model)
+        stats, _ = grpo.policy_update(model, model_module.make_optimizers(model, args), batch, args, NO_AUTOCAST, ref_model)
         results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}, batch["advantages"]))
     (stats, weights, advantages), (packed_stats, packed_weights, packed_advantages) = results
     assert (packed_advantages - advantages).abs().max() <= 1e-6  # float32 rewards, float64 KL

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 from model import GENERATIONS, load_checkpoint, save_checkpoint
 from tasks.sort import Sort
 from test_generations import nanochat_dir, random_model, random_tokens
@@ -73,7 +74,7 @@ def test_the_merged_save_loads_as_its_generation_and_computes_the_adapted_model(
 
 def test_merging_keeps_the_function_restarts_the_adapters_and_moves_the_reference():
     model = with_random_adapters(random_model("smear-backout", scale=0.1))
-    optimizers = grpo.make_optimizers(model, grpo.resolve_config(["--init", "x", "--lora-rank", "4"]))
+    optimizers = model_module.make_optimizers(model, grpo.resolve_config(["--init", "x", "--lora-rank", "4"]))
     ids = torch.tensor(random_tokens(40, seed=2))
     (-model.token_logprobs(ids[:, :-1], ids[:, 1:]).mean()).backward()
     optimizers[0].step()

@@ -35,7 +35,7 @@ def test_the_plans_weights_gradients_and_optimizer_state_are_what_torch_allocate
         shape.add_lora(args.lora_rank, args.lora_alpha, args.seed)
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     # the real thing: one update of the real model (no reference passed: the plan's reference is tested below)
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     gradient_bytes, step = [], grpo.optimizer_step
 
     def counting(model, *a):
@@ -50,12 +50,12 @@ def test_the_plans_weights_gradients_and_optimizer_state_are_what_torch_allocate
     assert plan["update: gradients (float32)"] == gradient_bytes[0]
     assert plan["optimizer state per rank"] == grpo.optimizer_state_bytes(optimizers)
     for world_size in (2, 3):  # sharded: each rank's share, weight by weight as the real state lies
-        owners = grpo.shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
+        owners = model_module.shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
         per_rank = [0] * world_size
         for opt in optimizers:
             for p, entry in opt.state.items():
                 per_rank[owners[id(p)]] += grpo.state_bytes(entry)
-        shape_owners = grpo.shard_owners([p for p in shape.parameters() if p.requires_grad], world_size)
+        shape_owners = model_module.shard_owners([p for p in shape.parameters() if p.requires_grad], world_size)
         assert grpo.planned_optimizer_state(shape, args, shape_owners, world_size) == per_rank
         sharded = grpo.memory_plan(shape, grpo.resolve_config(["--demo", "--algo", "grpo", "--shard-optimizer",
                                                                *flags]), world_size, 9, "float32")

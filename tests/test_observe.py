@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 from conftest import Killed
 from model import GPT, GPTConfig, Tokenizer
 from test_faults import flags
@@ -82,7 +83,7 @@ def entropy_after_updates(coef, steps=5):
     args = args_for("--algo", "reinforce", "--entropy-coef", str(coef), "--optimizer", "adamw", "--lr", "3e-3")
     model, batch = sampled_batch(args)
     batch["advantages"].zero_()  # no policy signal: only the entropy term can move the weights
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     return [grpo.policy_update(model, optimizers, batch, args, NO_AUTOCAST)[0]["entropy"] for _ in range(steps)]
 
 
@@ -97,7 +98,7 @@ def test_the_entropy_bonus_raises_the_entropy_through_its_gradient():
 def test_the_learning_rate_schedules_follow_their_formula(schedule, expected):
     args = args_for("--num-steps", "12", "--lr-schedule", schedule, "--warmup-steps", "2", "--min-lr-frac", "0.1")
     model = GPT(GPTConfig(sequence_len=16, vocab_size=20, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     initial = [g["initial_lr"] for opt in optimizers for g in opt.param_groups]
     for step, multiplier in [(0, 0.5), (1, 1.0)] + [(s, 0.1 + 0.9 * expected((s - 2) / 10)) for s in (2, 5, 7, 11)]:
         assert grpo.set_learning_rates(optimizers, step, args) == pytest.approx(multiplier, abs=1e-12)

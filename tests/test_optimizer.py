@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo
+import model as model_module
 from model import load_checkpoint
 from test_generations import FIXTURES
 
@@ -74,7 +75,7 @@ def run_fixture(path, version=None):
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     flags = fixture_flags(fixture) + (["--optimizer-version", version] if version else [])
     args = grpo.resolve_config(flags)
-    optimizers = grpo.make_optimizers(model, args)
+    optimizers = model_module.make_optimizers(model, args)
     results = []
     for index, step in enumerate(fixture["steps"]):
         grpo.set_learning_rates(optimizers, index, args)
@@ -105,7 +106,7 @@ def test_another_versions_optimizer_misses_the_fixture():
         assert sum(count for count, _ in run_fixture(path, version)[0].values()) > 1000, version
 
 
-@pytest.mark.parametrize("version", list(grpo.OPTIMIZER_VERSIONS))
+@pytest.mark.parametrize("version", list(model_module.OPTIMIZER_VERSIONS))
 def test_muon_steps_a_matrix_alike_in_any_stack(version, monkeypatch):
     # Muon steps its same-shape matrices as one stack: a matrix's step must not depend on the others stacked with it
     # (a sharded rank stacks other matrices than one process does, and a stack holds at most MUON_STACK_BYTES).
@@ -117,7 +118,7 @@ def test_muon_steps_a_matrix_alike_in_any_stack(version, monkeypatch):
 
     def weights_after(stacks):  # stacks: lists of indices whose gradients are set for one opt.step()
         params = [torch.nn.Parameter(w.clone()) for w in start]
-        opt = grpo.Muon(params, lr=0.02, version=version, weight_decay=0.1)
+        opt = model_module.Muon(params, lr=0.02, version=version, weight_decay=0.1)
         for grads in steps:
             for stack in stacks:
                 for i in stack:
@@ -128,7 +129,7 @@ def test_muon_steps_a_matrix_alike_in_any_stack(version, monkeypatch):
         return [p.detach() for p in params]
 
     alone = weights_after([[i] for i in range(len(shapes))])
-    monkeypatch.setattr(grpo, "MUON_STACK_BYTES", 2 * 32 * 16 * 4)  # the three 32 x 16 in stacks of two and one
+    monkeypatch.setattr(model_module, "MUON_STACK_BYTES", 2 * 32 * 16 * 4)  # the three 32 x 16 in stacks of two and one
     for stacks in ([list(range(len(shapes)))], [[0, 3], [1, 2, 4]]):
         for ours, theirs in zip(weights_after(stacks), alone):
             assert torch.equal(ours, theirs)
