@@ -73,11 +73,12 @@ import torch
 import torch.distributed as dist
 
 from model import (CheckpointFileError, GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Muon, Tokenizer, all_reduce,
-                   atomic_save, broadcast_weights, checkpoint_folder, checkpoint_steps, complete_steps, error_summary,
-                   find_checkpoint, first_fit_decreasing, flash_varlen_takes, gathered_optimizer_states, generate,
-                   in_rows, load_checkpoint, load_tensors, loadable_steps, make_optimizers, master_weight_names,
-                   master_weights, optimizer_version, pack_micro_batch, reduce_gradients, save_checkpoint, shard_owners,
-                   stop_signal, tokenizer_path, writing)
+                   atomic_save, batch_rows, broadcast_weights, checkpoint_folder, checkpoint_steps, complete_steps,
+                   error_summary, find_checkpoint, first_fit_decreasing, flash_varlen_takes, float32_matrices,
+                   gathered_optimizer_states, generate, in_rows, load_checkpoint, load_tensors, loadable_steps,
+                   make_optimizers, master_weight_names, master_weights, noisy_projections, optimizer_version,
+                   pack_micro_batch, reduce_gradients, save_checkpoint, self_check_distances, self_check_replies,
+                   shard_owners, stop_signal, tokenizer_path, writing)
 from tasks import (GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, episode_responder,
                    graded, reply_text, task_class, task_name)
 from tasks.jsonl import GRADERS
@@ -430,10 +431,10 @@ def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
         old_logprobs[i] = logprobs
     device = batch["advantages"].device
     if ref_model is not None:  # a frozen copy, or with LoRA the policy itself with its adapters off (no-op otherwise)
-        with ref_model.lora_disabled(), on_device(ref_model, device) if args.ref_offload else nullcontext():
+        with ref_model.lora_disabled(), on_device(ref_model, device, args.ref_offload):
             ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
     if teacher is not None:  # on the same passes
-        with on_device(teacher, device) if args.teacher_offload else nullcontext():
+        with on_device(teacher, device, args.teacher_offload):
             if args.distill_divergence == "forward":
                 with autocast:
                     teacher_logprobs = [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
@@ -697,18 +698,90 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+# A flag's role, besides shaping the weights' trajectory (what --resume refuses to change), declared with it:
+#   observes   what is evaluated, saved and logged, and where: --resume may change it
+#   step-size  the way on after non-finite weights: --resume may change it (noted, kept in config.json)
+#   spread     how the work is spread over processes and memory (the same steps up to rounding): likewise
+#   machine    this machine's and process's: an evaluation (--ask, --eval-only) never reads it from the run
+#   teacher    the teacher's, which an evaluation never reads
+#   sampling   how replies are sampled: an evaluation may change it
+#   evaluated  what an evaluation of a run's checkpoint reads from its config.json where no flag says otherwise
+# idle: [(when, why)], when the flag, given, does nothing: a note at start says why (the first that holds), since a
+# flag silently idle looks like a setting that was tried.
+ROLES, IDLE = {}, {}
+
+
+def declare(group):
+    """-> the group's add_argument, taking each flag's role and idle conditions too."""
+    def arg(*names, role="", idle=(), **kwargs):
+        dest = group.add_argument(*names, **kwargs).dest
+        ROLES[dest], IDLE[dest] = role.split(), idle
+    return arg
+
+
+def flags_with(role):
+    return tuple(dest for dest, roles in ROLES.items() if role in roles)
+
+
+def one_process(args):
+    return int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
+KL_IN_REWARD = (lambda a: a.kl_placement == "reward", "the KL in the reward is each reply's summed k1 (--kl-placement "
+                "reward)")
+NO_REFERENCE = (lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")
+SAPO_ONLY = (lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another")
+NO_CLIP = (lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)")
+RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step a "
+             "sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
+             "inside any clip")
+GDPO = (lambda a: a.reward_combination == "normalize-then-sum", "--reward-combination normalize-then-sum z-scores "
+        "each reward term in its group whatever it says")
+NO_JSONL = (lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
+            "it grades .jsonl tasks")
+NOT_JSONL_TASK = (lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)")
+NO_TEACHER_PICK = (lambda a: not a.teacher, "it picks --teacher's checkpoint")
+NO_TEACHER = (lambda a: not a.teacher, "no teacher (--teacher)")
+NO_TEACHER_TERM = (lambda a: not a.distill_coef, "no teacher term (--distill-coef)")
+NOT_FORWARD = (lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")
+NO_CORRECTION = (lambda a: a.rollout_correction == "off", "the correction is off (--rollout-correction)")
+NO_DYNAMIC_SAMPLING = (lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off")
+NO_LORA = (lambda a: not a.lora_rank, "no adapters without --lora-rank")
+LORA = (lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr")
+NOT_ADAMW = (lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
+             "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")
+NOT_MUON = (lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
+CONSTANT_LR = (lambda a: a.lr_schedule == "constant", "--lr-schedule constant never decays")
+SCRATCH = (lambda a: a.init == "scratch", "--init scratch reads no checkpoint")
+NOT_SFT = (lambda a: a.init != "sft", "it picks --init sft's checkpoint")
+NO_GSM8K = (lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)")
+NO_SORT = (lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)")
+EVALUATING = (lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long")
+EVAL_ONLY = (lambda a: a.eval_only, "--eval-only samples --pass-k replies a problem")
+ASK_SAMPLES = (lambda a: a.ask, "--ask samples --num-samples replies")
+ASK_ONE = (lambda a: a.ask, "--ask answers one question")
+NO_EVALS = (lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-every 0: no evals")
+ON_GPU = (lambda a: on_gpu(a), "it sets a CPU run's threads, and the work is on the GPU")
+OFF_GPU_REFERENCE = (lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU")
+OFF_GPU_TEACHER = (lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU")
+ONE_PROCESS = (one_process, "one process holds every weight")
+ONE_PROCESS_TIMEOUT = (one_process, "there is one process")
+NO_COMPARE = (lambda a: not a.compare, "it is --compare's")
+
+
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)",
                                  formatter_class=HelpFormatter, allow_abbrev=False)
 # the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
-arg = algorithm.add_argument
+arg = declare(algorithm)
 arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo",
                                            "distill"],
     help="algorithm preset: sets the flags of this group that are not given")
 arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"],
     help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards; none: 0 "
-    "(the reward teaches nothing: --algo distill)")
+    "(the reward teaches nothing: --algo distill)", idle=[GDPO])
 arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"],
     help="per-token losses: nanochat's RL loss (a question's replies in passes of --pass-size, each pass's sum / its "
     "tokens, the mean over passes and questions); averaged over all tokens; per reply, then over replies; "
@@ -721,23 +794,28 @@ arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (P
 arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="the policy term: PPO's clipped ratio x A; CISPO's "
     "-sg(clip(rho)) A log pi (the weight clipped, every token keeps a gradient); SAPO's smooth gate "
     "-(4 / tau) sigmoid(tau (rho - 1)) A")
-arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0")
-arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)")
-arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps (cispo: the weight's)")
+arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0", idle=[SAPO_ONLY])
+arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)",
+    idle=[SAPO_ONLY])
+arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps (cispo: the weight's)",
+    idle=[NO_CLIP, RATIO_ONE])
 arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (cispo: the weight's; default: "
-    "--clip-eps)")
-arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)")
+    "--clip-eps)", idle=[NO_CLIP, RATIO_ONE])
+arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)",
+    idle=[RATIO_ONE])
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
-    "KL's gradient each gives)")
+    "KL's gradient each gives)", idle=[NO_KL, KL_IN_REWARD])
 arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
     "or beta x each reply's summed k1 subtracted from its reward before the advantages; there an all-equal group's "
     "advantages are its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), scaled to unit "
-    "std (zscore)")
+    "std (zscore)", idle=[NO_KL])
 arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
-    help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)")
+    help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)",
+    idle=[NO_REFERENCE])
 arg("--ref-offload", action="store_true",
-    help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step")
+    help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step",
+    role="spread", idle=[OFF_GPU_REFERENCE])
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--distill-coef", type=float, help="on-policy distillation's weight lambda (needs --teacher): with "
     "--distill-divergence sampled each sampled token's advantage gains lambda x (log pi_teacher - log pi_old); with "
@@ -745,101 +823,126 @@ arg("--distill-coef", type=float, help="on-policy distillation's weight lambda (
 arg("--distill-divergence", default=None, choices=["sampled", "forward"], help="--distill-coef's term: "
     "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
-    "for the rest, a loss term (default: forward with --algo distill, else sampled)")
+    "for the rest, a loss term (default: forward with --algo distill, else sampled)", idle=[NO_TEACHER_TERM])
 arg("--distill-top-k", type=count, default=64, help="--distill-divergence forward: the teacher's tokens a position "
-    "(all of them when the vocabulary is smaller)")
+    "(all of them when the vocabulary is smaller)", idle=[NOT_FORWARD])
 arg("--teacher", default=None, metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint "
-    "folder, or a run folder of this program, of any generation and depth, with the policy's tokenizer")
-arg("--teacher-step", type=at_least(0), default=None, help="--teacher: its checkpoint step (default: the largest)")
+    "folder, or a run folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
+arg("--teacher-step", type=at_least(0), default=None, help="--teacher: its checkpoint step (default: the largest)",
+    role="teacher", idle=[NO_TEACHER_PICK])
 arg("--teacher-offload", action="store_true",
-    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step")
+    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step",
+    role="teacher", idle=[NO_TEACHER, OFF_GPU_TEACHER])
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
-arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most")
+arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most",
+    idle=[NO_DYNAMIC_SAMPLING])
 arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise replies in their last N tokens before the limit")
 arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the entropy (nats)")
 arg("--rollout-correction", default="off", choices=["off", "tis", "mask"],
     help="correct for the sampler's own distribution: weight by min(pi_old / pi_sampler, C) or drop outside [1/C, C]")
-arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction")
-arg = parser.add_argument_group("sampling (shared by all presets)").add_argument
+arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction", idle=[NO_CORRECTION])
+arg = declare(parser.add_argument_group("sampling (shared by all presets)"))
 arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
-arg("--num-samples", type=int, default=16, help="replies per question (the group size G)")
+arg("--num-samples", type=int, default=16, help="replies per question (the group size G)",
+    role="sampling evaluated", idle=[EVAL_ONLY])
 arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens (an episode's: "
-    "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)")
+    "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)",
+    role="sampling", idle=[EVALUATING])
 arg("--max-turns", type=count, default=10, help="an episode's assistant turns at most, for a task that answers "
-    "(respond, docs/tasks.md); the environment is not asked after the last")
+    "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated")
 arg("--max-turn-tokens", type=count, default=None, help="an episode's assistant turn: tokens sampled at most, "
-    "then its <|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)")
+    "then its <|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)",
+    role="evaluated")
 arg("--attempts", type=count, default=1, help="retries after feedback: a reply that is not correct is answered "
-    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)")
-arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)")
-arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)")
+    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)",
+    role="evaluated")
+arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)",
+    role="sampling evaluated")
+arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)",
+    role="sampling evaluated")
 arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
-    "memory only, the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)")
+    "memory only, the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)",
+    role="spread")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg("--reward-combination", default="sum", choices=["sum", "normalize-then-sum"], help="several reward terms: "
     "their weighted sum, then the group advantages (--advantage); or each term z-scored in its group, then their "
     "weighted sum divided by its std over the step (GDPO, whatever --advantage says)")
-arg = parser.add_argument_group("optimizer (shared by all presets)").add_argument
+arg = declare(parser.add_argument_group("optimizer (shared by all presets)"))
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
-    "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW")
+    "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW", idle=[LORA])
 arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
     help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; a checkpoint of this "
-    "program: the one it trained with; from scratch: v5)")
-arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate")
-arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices")
-arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding")
-arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head")
-arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this")
+    "program: the one it trained with; from scratch: v5)", idle=[NOT_MUON])
+arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size", idle=[NOT_ADAMW])
+arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices",
+    role="step-size", idle=[NOT_MUON])
+arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding",
+    role="step-size", idle=[NOT_MUON])
+arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head",
+    role="step-size", idle=[NOT_MUON])
+arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this",
+    role="step-size", idle=[NOT_MUON])
 arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay (muon: on AdamW in v1, as cautious decay "
     "on Muon from v2, as nanochat's RL script passes it)")
-arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)")
+arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)", role="step-size")
 arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
 arg("--warmup-steps", type=at_least(0), default=0, help="steps of linear warmup from 1/N of the learning rates")
-arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates")
+arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates",
+    idle=[CONSTANT_LR])
 arg("--num-steps", type=count, default=None,
     help="training steps (default: the task's; gsm8k: one epoch of its train split)")
 arg("--lora-rank", type=at_least(0), default=0,
     help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
-arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)")
-arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)")
-arg = parser.add_argument_group("task, model and checkpoints").add_argument
+arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)",
+    idle=[NO_LORA])
+arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)",
+    role="step-size", idle=[NO_LORA])
+arg = declare(parser.add_argument_group("task, model and checkpoints"))
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer model from scratch, full GRPO")
 arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl file of problems, or your own task "
-    "class as module:Class or path/to/file.py:Class (docs/tasks.md)")
-arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)")
+    "class as module:Class or path/to/file.py:Class (docs/tasks.md)", role="evaluated")
+arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)",
+    role="evaluated")
 arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
     "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
     "as path/to/file.py:fn, fn(question, reply, answer) -> the reward (correct at 1 or more), (reward, format), or "
-    "{reward, correct, format} (docs/tasks.md)")
+    "{reward, correct, format} (docs/tasks.md)", role="evaluated", idle=[NO_JSONL])
 arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
-    help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K")
+    help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K",
+    role="evaluated", idle=[NOT_JSONL_TASK])
 arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
-    "every eval, logged as eval_<name>_<metric> (repeatable; any --task value)")
-arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)")
-arg("--sort-length", type=count, default=5, help="digits per sort problem")
+    "every eval, logged as eval_<name>_<metric> (repeatable; any --task value)",
+    role="observes evaluated", idle=[NO_EVALS])
+arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)",
+    role="evaluated", idle=[NO_GSM8K])
+arg("--sort-length", type=count, default=5, help="digits per sort problem", role="evaluated", idle=[NO_SORT])
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', a checkpoint folder, or a "
     "run folder of this program")
-arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)")
-arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)")
+arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)",
+    idle=[SCRATCH])
+arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)", idle=[NOT_SFT])
 arg("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation (default: from its files)")
 arg("--window-pattern", default=None, help="S/L per layer where the checkpoint's config has none (default: L)")
 arg("--depth", type=int, default=4, help="scratch model: layers")
 arg("--n-embd", type=int, default=256, help="scratch model: width")
 arg("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
-arg = parser.add_argument_group("run, evaluation and logging").add_argument
-arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)")
-arg("--runs-dir", default="runs", help="folder of the run folders")
+arg = declare(parser.add_argument_group("run, evaluation and logging"))
+arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)",
+    role="observes machine")
+arg("--runs-dir", default="runs", help="folder of the run folders", role="observes machine")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
 arg("--seed", type=int, default=0, help="seeds a scratch model's weights, the sampling, and the order of every "
     "epoch but the first (which takes the task's fixed order, so that every seed sees the same questions at the same "
-    "step and seeds differ in their sampling alone; GSM8K's: shuffled once, as nanochat's)")
+    "step and seeds differ in their sampling alone; GSM8K's: shuffled once, as nanochat's)", role="sampling evaluated")
 arg("--eval-every", type=at_least(0), default=60,
-    help="steps between evals, and one at the start and the end (0: no evals)")
-arg("--eval-examples", type=int, default=400, help="test problems per periodic eval")
-arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)")
+    help="steps between evals, and one at the start and the end (0: no evals)", role="observes")
+arg("--eval-examples", type=int, default=400, help="test problems per periodic eval",
+    role="observes evaluated", idle=[NO_EVALS, ASK_ONE])
+arg("--final-eval-examples", type=int, default=-1, help="test problems in the final eval (-1: all)",
+    role="observes evaluated", idle=[NO_EVALS, ASK_ONE])
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems (or "
     "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
     "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
@@ -847,42 +950,53 @@ arg("--eval-only", action="store_true", help="evaluate the start policy on --fin
 arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
     "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
     "run's settings as --eval-only does")
-arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)")
-arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)")
-arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)")
-arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)")
-arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay")
+arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)",
+    role="observes evaluated", idle=[NO_EVALS, ASK_SAMPLES])
+arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)",
+    role="observes evaluated", idle=[NO_EVALS])
+arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)",
+    role="observes")
+arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)",
+    role="observes")
+arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
+    role="observes")
 arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
     "SIGTERM) during the steps saves a checkpoint at the end of the step under way, then stops; a second one stops "
-    "at once")
-arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row")
+    "at once", role="observes")
+arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row", role="observes")
 arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
     "beside the runs when they are in one folder, else in the current one; or --compare-out)")
-arg("--compare-out", default=None, metavar="PNG", help="--compare: where the plot goes")
-arg = parser.add_argument_group("devices and processes").add_argument
-arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)")
-arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)")
+arg("--compare-out", default=None, metavar="PNG", help="--compare: where the plot goes", idle=[NO_COMPARE])
+arg = declare(parser.add_argument_group("devices and processes"))
+arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
+arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)",
+    role="machine")
 arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
-    "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest")
+    "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest",
+    role="spread")
 arg("--tokens-per-pass", type=count, default=None, help="--pack: tokens a forward/backward pass, rows packed into it "
-    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)")
+    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)",
+    role="spread")
 arg("--device-batch-size", type=count, default=None, help="rows per forward/backward pass, question by question: "
     "memory, not the result (--pack: only when given, else passes are filled by tokens; --no-pack default: on a GPU "
-    "as many as its free memory holds beside the rest, else 8)")
+    "as many as its free memory holds beside the rest, else 8)", role="spread")
 arg("--compile", action=argparse.BooleanOptionalAction, default=None,
-    help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
+    help="torch.compile the forwards, the update and the decode step (default: on with CUDA)", role="spread")
 arg("--threads", type=count, default=None, help="CPU threads of a CPU run, fixed for the run (default: "
-    "OMP_NUM_THREADS if set, else one per rank with several processes, else one per core)")
+    "OMP_NUM_THREADS if set, else one per rank with several processes, else one per core)",
+    role="spread", idle=[ON_GPU])
 arg("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="how the sampler's decode "
-    "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU")
+    "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU", role="spread")
 arg("--self-check", action=argparse.BooleanOptionalAction, default=None, help="before the first step, compare the "
     "fast paths (packed/flash attention, compiled forward, captured decode as rows finish, a teacher's forward and "
-    "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)")
-arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops")
+    "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)",
+    role="observes machine")
+arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops",
+    role="observes machine", idle=[ONE_PROCESS_TIMEOUT])
 arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
     help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
-    "others get the new weights from it (default: on with several processes)")
+    "others get the new weights from it (default: on with several processes)", role="spread", idle=[ONE_PROCESS])
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -1096,79 +1210,14 @@ def stop_at_step_end(signum, frame):
 MIN_TEMPERATURE = 0.1
 
 
-# Flags that act only with others: given explicitly where they do nothing, a note at start says so (a flag that
-# is silently idle looks like a setting that was tried).
-IDLE_FLAGS = [
-    ("kl_placement", lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)"),
-    ("kl_estimator", lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)"),
-    ("ref_dtype", lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)"),
-    ("ref_offload", lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)"),
-    ("sapo_tau_pos", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
-    ("sapo_tau_neg", lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another"),
-    ("pass_size", lambda a: a.aggregation != "nanochat", "it is --aggregation nanochat's"),
-    ("advantage", lambda a: a.reward_combination == "normalize-then-sum",
-     "--reward-combination normalize-then-sum z-scores each reward term in its group whatever it says"),
-    ("grader", lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
-     "it grades .jsonl tasks"),
-    ("calculator", lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)"),
-    ("teacher_step", lambda a: not a.teacher, "it picks --teacher's checkpoint"),
-    ("teacher_offload", lambda a: not a.teacher, "no teacher (--teacher)"),
-    ("distill_divergence", lambda a: not a.distill_coef, "no teacher term (--distill-coef)"),
-    ("distill_top_k", lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's"),
-    ("clip_eps", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)"),
-    ("clip_eps_high", lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, "
-     "--sapo-tau-neg)"),
-    ("rollout_correction_cap", lambda a: a.rollout_correction == "off", "the correction is off (--rollout-correction)"),
-    ("max_sampling_rounds", lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off"),
-    ("lora_alpha", lambda a: not a.lora_rank, "no adapters without --lora-rank"),
-    ("lora_lr", lambda a: not a.lora_rank, "no adapters without --lora-rank"),
-    ("optimizer", lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr"),
-    ("lr", lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
-     "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)"),
-    ("kl_estimator", lambda a: a.kl_placement == "reward", "the KL in the reward is each reply's summed k1 "
-     "(--kl-placement reward)"),
-    ("min_lr_frac", lambda a: a.lr_schedule == "constant", "--lr-schedule constant never decays"),
-    ("init_step", lambda a: a.init == "scratch", "--init scratch reads no checkpoint"),
-    ("model_tag", lambda a: a.init != "sft", "it picks --init sft's checkpoint"),
-    ("gsm8k_dir", lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)"),
-    ("sort_length", lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)"),
-    ("max_new_tokens", lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long"),
-    ("num_samples", lambda a: a.eval_only, "--eval-only samples --pass-k replies a problem"),
-    ("pass_k", lambda a: a.ask, "--ask samples --num-samples replies"),
-    ("threads", lambda a: on_gpu(a), "it sets a CPU run's threads, and the work is on the GPU"),
-    ("ref_offload", lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU"),
-    ("teacher_offload", lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU"),
-    ("shard_optimizer", lambda a: int(os.environ.get("WORLD_SIZE", "1")) == 1, "one process holds every weight"),
-    ("dist_timeout", lambda a: int(os.environ.get("WORLD_SIZE", "1")) == 1, "there is one process"),
-    ("compare_out", lambda a: not a.compare, "it is --compare's"),
-] + [(name, lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
-     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "optimizer_version")
-] + [(name, lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step "
-      "a sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
-      "inside any clip") for name in ("clip_eps", "clip_eps_high", "clip_ratio_c")
-] + [(name, lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-every 0: no evals")
-     for name in ("eval_examples", "final_eval_examples", "pass_k", "eval_max_new_tokens", "eval_task")
-] + [(name, lambda a: a.ask, "--ask answers one question") for name in ("eval_examples", "final_eval_examples")]
-
-
 def on_gpu(args):
     return (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
-# What an evaluation (--ask, --eval-only) of a checkpoint of this program reads from its run's config.json where no
-# flag says otherwise: the task the run trained and evaluated on (its data, grading, and --seed, which draws sort's
-# test problems) and how its replies were sampled. The other flags shaped weights that the checkpoint holds.
-EVALUATION_SETTINGS = ("task", "task_test", "grader", "calculator", "eval_task", "gsm8k_dir", "sort_length", "seed",
-                       "temperature", "top_k", "num_samples", "eval_max_new_tokens", "pass_k", "eval_examples",
-                       "final_eval_examples", "attempts", "max_turns", "max_turn_tokens")
-# ...and what it never reads from the run, --resume or not: this machine's and this process's settings
-THIS_MACHINE = ("device", "dtype", "self_check", "dist_timeout", "runs_dir", "run_name")
-
-
 def evaluated_run(args, given):
     """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
-    checkpoints' folder): the flags not given take the run's values from its config.json, the EVALUATION_SETTINGS
-    with --init and all but this machine's (SPREAD, THIS_MACHINE) with --resume, which rebuilds the run's start model
+    checkpoints' folder): the flags not given take the run's values from its config.json, the "evaluated" ones
+    with --init and all but the "spread" and "machine" ones with --resume, which rebuilds the run's start model
     before it loads the checkpoint. -> (the config.json, {flag: (the run's value, the one given)} for the settings
     given otherwise), or None: no run folder (another program's checkpoint), and the flags' own defaults."""
     if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
@@ -1190,10 +1239,10 @@ def evaluated_run(args, given):
         sys.exit(f"error: --init: cannot read the settings of the checkpoint's run from {path} ({e}): restore that "
                  "file, or give the task and sampling flags and copy the checkpoint folder out of the run")
     read = [k for k in run_config if k in vars(args) and k not in given and (
-        k in EVALUATION_SETTINGS or args.resume and k not in SPREAD + THIS_MACHINE)]
+        k in flags_with("evaluated") or args.resume and k not in flags_with("spread") + flags_with("machine"))]
     for k in read:
         setattr(args, k, run_config[k])
-    return path, {k: (run_config[k], getattr(args, k)) for k in EVALUATION_SETTINGS
+    return path, {k: (run_config[k], getattr(args, k)) for k in flags_with("evaluated")
                   if k in given and k in run_config and run_config[k] != getattr(args, k)}
 
 
@@ -1241,8 +1290,8 @@ def resolve_config(argv=None):
     except (OSError, ValueError, GraderError) as e:
         sys.exit(f"error: {e}")
     args.eval_task = args.eval_task or []
-    args.notes = [f"--{dest.replace('_', '-')} does nothing here: {why}" for dest, idle, why in IDLE_FLAGS
-                  if dest in given and idle(args)]
+    args.notes = [f"--{dest.replace('_', '-')} does nothing here: {why[0]}" for dest, idle in IDLE.items()
+                  if dest in given for why in [[why for holds, why in idle if holds(args)]] if why]
     if args.eval_only and "eval_examples" in given:  # the count one reaches for first; --eval-only's is the final's
         if "final_eval_examples" in given:
             args.notes.append("--eval-examples does nothing here: --eval-only evaluates --final-eval-examples problems")
@@ -1638,10 +1687,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
 
 
 @contextmanager
-def on_device(module, device):
-    """--ref-offload: a module whose weights wait in CPU memory, on the device for the duration of the block. Its
-    weights do not change there, so nothing is copied back: they point to their CPU copies again."""
-    if device.type == "cpu":
+def on_device(module, device, offload):
+    """--ref-offload, --teacher-offload: a module whose weights wait in CPU memory, on the device for the duration of
+    the block. Its weights do not change there, so nothing is copied back: they point to their CPU copies again."""
+    if not offload or device.type == "cpu":
         yield
         return
     kept = [p.data for p in module.parameters()]
@@ -1848,76 +1897,24 @@ def self_check(args, run, questions=4, new_tokens=16):
                                    advantage="mean", kl_coef=0.0, rollout_correction="off",
                                    distill_coef=args.distill_coef if run.teacher is not None else 0.0))
     G = check.num_samples  # the check's own replies a question, whatever the run's
-    prompts = distinct_lengths([run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(
-        questions, len(run.train_task)))])
-    length = min(new_tokens, args.max_new_tokens)
-    ends = staggered_ends(len(prompts) * G, length)
-    zero = [p for name, p in model.named_parameters() if name.endswith("c_proj.weight") and not p.any()]
-    # a fresh model's head is tiny too (nanochat's 0.001 std): its log-probs barely move with its hidden states
-    head = model.lm_head.weight.detach().clone() if zero else None
-    noise = torch.Generator().manual_seed(args.seed)
+    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions,
+                                                                                         len(run.train_task)))]
     try:
-        with torch.no_grad():
-            for p in zero + ([model.lm_head.weight] if zero else []):  # as the others start: 1 / sqrt(fan-in)
-                p.copy_(torch.randn(p.shape, generator=noise) / math.sqrt(p.size(1)))
-        model.eval()
-        with run.autocast:
-            samples = generate(model, run.tokenizer, prompts, G, length, args.temperature, None, seed=args.seed,
-                               decode=args.decode, ends=ends)
-        results = self_check_paths(args, run, check, prompts, samples)
+        with noisy_projections(model, args.seed) as zero:
+            with run.autocast:
+                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, G, min(
+                    new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
+            results = self_check_paths(args, run, check, prompts, samples)
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-        with torch.no_grad():
-            for p in zero:
-                p.zero_()
-            if zero:
-                model.lm_head.weight.copy_(head)
-    reference = results["float32"]
-
-    def distance(name, key):
-        value, ref = results[name][key], reference[key]
-        if key == "grads":
-            return (value - ref).norm() / ref.norm().clamp(min=1e-30)
-        return (value - ref).abs().max() if ref.numel() else ref.new_zeros(())
-    checks = torch.stack([distance(name, key) for key in SELF_CHECKED for name in ("fast", "plain")] + [
-        (results["plain"]["sampler"] - reference["logprobs"]).abs().max()]).double()
-    checks = torch.where(checks.isfinite(), checks, math.inf)
+    checks = self_check_distances(results, SELF_CHECKED)
     checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
     measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
-    self_check_verdict(args, run, measured, checks[-1], ends, len(zero), time.time() - start)
+    self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
 
 
 SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
-
-
-def distinct_lengths(prompts):
-    """The prompts, each a different length (a prompt as long as an earlier one loses its first tokens): rows of a
-    batch then have different left padding, whose bookkeeping as the batch shrinks is wrong or right only where it
-    differs (the demo's prompts are all alike)."""
-    seen = set()
-    for i, prompt in enumerate(prompts):
-        while len(prompt) in seen and len(prompt) > 1:
-            prompt = prompt[1:]
-        prompts[i] = prompt
-        seen.add(len(prompt))
-    return prompts
-
-
-def staggered_ends(rows, length):
-    """The step at which each of the self-check's rows is made to end (generate's ends; -1: it runs on). At each of
-    a few evenly spaced steps half of the rows still running end (rows 0, 2, 4, .. first, then 1, 5, 9, .., as a
-    ruler's marks: the rows that move up in the batch are other prompts', whose padding differs), the last row
-    never: each halving of the static decode and the dynamic decode's row drops happen, with rows left to sample
-    after each, in every smaller batch."""
-    halvings = max(1, (rows - 1).bit_length())  # down to one row
-    spacing = max(1, length // (halvings + 1))
-    ends = []
-    for r in range(rows):
-        wave = (r ^ (r + 1)).bit_length() - 1  # the trailing 1 bits of r: 0 for even rows, 1 for 1, 5, 9, ...
-        end = spacing * (wave + 1) - 1
-        ends.append(end if wave < halvings and end < length - 1 else -1)
-    return ends
 
 
 def self_check_paths(args, run, check, prompts, samples):
@@ -1976,17 +1973,10 @@ def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
     (exactly) and rounded back to the same bits after."""
     if teacher is None:
         return [None] * len(micro_batches)
-    matrices = [m for m in teacher.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.float32]
-    with on_device(teacher, device) if args.teacher_offload else nullcontext(), autocast:
-        try:
-            for m in matrices if float32 else []:
-                m.float()
-            if args.distill_divergence == "forward":
-                return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-            return frozen_logprobs(teacher, micro_batches, args, nullcontext())
-        finally:
-            for m in matrices if float32 else []:
-                m.to(torch.bfloat16)
+    with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
+        if args.distill_divergence == "forward":
+            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+        return frozen_logprobs(teacher, micro_batches, args, nullcontext())
 
 
 def terms_in_rows(terms, micro_batches):
@@ -1997,17 +1987,6 @@ def terms_in_rows(terms, micro_batches):
     if isinstance(terms[0], dict):
         return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
     return [(t,) for t in terms]
-
-
-def batch_rows(parts, micro_batches, like):
-    """One tensor of each micro-batch, [R, width, ...] in the rows' layout -> the batch's [N, T, ...] (like: [N, T]),
-    zeros past a row's pass; None stays None."""
-    if parts[0] is None:
-        return None
-    out = parts[0].new_zeros(like.shape + parts[0].shape[2:])
-    for part, mb in zip(parts, micro_batches):
-        out[mb["rows"], :part.size(1)] = part
-    return out
 
 
 def term_for(taught, mb):
@@ -2530,22 +2509,6 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
                 os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
 
 
-# Flags that a resumed run may change: where the run lives (a moved or copied run folder resumes), and what is
-# evaluated and saved, never the weights' trajectory (evaluation samples with its own seeds, so it does not move
-# the training RNG).
-NOT_TRAJECTORY = ("runs_dir", "run_name", "eval_every", "eval_examples", "final_eval_examples", "pass_k", "save_every",
-                  "max_bad_steps", "eval_max_new_tokens", "log_samples", "keep_states", "dist_timeout", "eval_task",
-                  "self_check", "save_on_stop")
-# ...and, when evaluating (--eval-only, --ask), the teacher's, which an evaluation never reads
-TEACHER_FLAGS = ("teacher", "teacher_step", "teacher_offload")
-# ...and how an evaluation samples (EVALUATION_SETTINGS), which --ask and --eval-only may change
-EVALUATION_SAMPLING = ("seed", "temperature", "top_k", "num_samples", "max_new_tokens")
-# ...and the step sizes, the way on after non-finite weights; a change is printed and kept in config.json.
-STEP_SIZES = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr", "grad_clip")
-# ...and how the work is spread over processes and memory, which an out-of-memory stop asks to change: the same
-# steps up to float rounding (another summation order); a change is noted like the step sizes'.
-SPREAD = ("world_size", "shard_optimizer", "device_batch_size", "sample_batch_size", "ref_offload", "compile", "pack",
-          "tokens_per_pass", "threads", "decode")
 # What a run's config.json calls the program's version: a change in what the flags do, or in what a run folder
 # holds, gives it a new number, and --resume refuses a run of another (its steps would not be the ones it began).
 VERSION = 2
@@ -2581,11 +2544,11 @@ def resume(args, run):
                      f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
     evaluating = bool(args.eval_only or args.ask)
     # an evaluation reads the policy alone, and samples as it is told
-    unread = TEACHER_FLAGS + EVALUATION_SAMPLING + THIS_MACHINE if evaluating else ()
+    unread = flags_with("teacher") + flags_with("sampling") + flags_with("machine") if evaluating else ()
     differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "scores",
                                                                              "task_code")
-                       and config.get(k) != run_config.get(k) and k not in NOT_TRAJECTORY + unread)
-    refused = [k for k in differing if k not in STEP_SIZES + SPREAD]
+                       and config.get(k) != run_config.get(k) and k not in flags_with("observes") + unread)
+    refused = [k for k in differing if k not in flags_with("step-size") + flags_with("spread") + ("world_size",)]
     if "num_steps" in refused and not evaluating:  # the schedule ends at the run's last step: more steps are a new run
         steps, others = run_config.get("num_steps"), [k for k in refused if k != "num_steps"]
         way = (f"to train further, start a new run from its newest checkpoint (a fresh optimizer state and schedule): "
@@ -2835,7 +2798,7 @@ def run_eval(args, run, step, num_examples):
                                   run.autocast, stop, f"{label}, {name}")
             result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
         if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
-            with on_device(run.teacher, run.device) if args.teacher_offload else nullcontext():
+            with on_device(run.teacher, run.device, args.teacher_offload):
                 taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
                                      run.world_size, run.autocast, stop, f"{label}, the teacher")
             result.update({f"teacher_{k}": v for k, v in taught.items()})
@@ -3116,11 +3079,14 @@ def leave_process_group():
 # -----------------------------------------------------------------------------
 # Comparing runs: --compare, and the summary at the end of every run
 
-# Flags that do not make a configuration: runs that differ only in these are seeds of one configuration.
-NOT_CONFIGURATION = ("seed", "inputs") + NOT_TRAJECTORY
 COMPARE_HEADER = ["run", "task", "preset", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
                   "eval", "best eval", "pass@1", "pass@k", "kl", "teacher kl", "clip frac", "reply len", "wall s",
                   "tok/s"]
+
+
+def not_configuration():
+    """What does not make a configuration: runs that differ only in these are seeds of one configuration."""
+    return ("seed", "inputs") + flags_with("observes")
 
 
 def eval_score_key(config, watched=""):
@@ -3149,7 +3115,7 @@ def compare_runs(run_dirs, plot_path):
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
         if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
             config = dict(config, advantage="gdpo")
-        key = json.dumps({k: v for k, v in config.items() if k not in NOT_CONFIGURATION}, sort_keys=True)
+        key = json.dumps({k: v for k, v in config.items() if k not in not_configuration()}, sort_keys=True)
         twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
         if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
             print(f"note: {run_dir} ran the same configuration with the same seed as {twin}: shown as its own row")
@@ -3206,7 +3172,7 @@ def preset_of(config):
 
 def differing_flags(configs):
     """-> for each run's configuration, the flags whose values are not the same in all of them, as flags."""
-    names = [a.dest for a in parser._actions if a.option_strings and a.dest not in NOT_CONFIGURATION]
+    names = [a.dest for a in parser._actions if a.option_strings and a.dest not in not_configuration()]
     differ = [k for k in dict.fromkeys(names) if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
     return [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
                       else c.get(k) for k in differ}) for c in configs]

@@ -1014,6 +1014,17 @@ def in_rows(values, mb):
     return values.flatten(0, 1)[mb["row_positions"]] if values is not None and "pack" in mb else values
 
 
+def batch_rows(parts, micro_batches, like):
+    """One tensor of each micro-batch, [R, width, ...] in the rows' layout -> the batch's [N, T, ...] (like: [N, T]),
+    zeros past a row's pass; None stays None."""
+    if parts[0] is None:
+        return None
+    out = parts[0].new_zeros(like.shape + parts[0].shape[2:])
+    for part, mb in zip(parts, micro_batches):
+        out[mb["rows"], :part.size(1)] = part
+    return out
+
+
 def first_fit_decreasing(rows, widths, budget):
     """rows -> passes of rows whose widths sum to at most budget: each row, longest first, into the first pass with
     room (first-fit decreasing: within 11/9 of the fewest passes). A row wider than the budget (refused at start,
@@ -1116,6 +1127,101 @@ def capture(step, cache, token, noise):
     if previous is not None:
         cache.previous.copy_(previous)
     return dict(static, graph=graph, outputs=outputs)
+
+
+# -----------------------------------------------------------------------------
+# The fast paths' self-check: rows that exercise them, noise where a fresh model would hide a fault, the distances.
+# (grpo.py runs the rows through the update's own pass and gives the verdict.)
+
+def distinct_lengths(prompts):
+    """The prompts, each a different length (a prompt as long as an earlier one loses its first tokens): rows of a
+    batch then have different left padding, whose bookkeeping as the batch shrinks is wrong or right only where it
+    differs (the demo's prompts are all alike)."""
+    seen = set()
+    for i, prompt in enumerate(prompts):
+        while len(prompt) in seen and len(prompt) > 1:
+            prompt = prompt[1:]
+        prompts[i] = prompt
+        seen.add(len(prompt))
+    return prompts
+
+
+def staggered_ends(rows, length):
+    """The step at which each of the self-check's rows is made to end (generate's ends; -1: it runs on). At each of
+    a few evenly spaced steps half of the rows still running end (rows 0, 2, 4, .. first, then 1, 5, 9, .., as a
+    ruler's marks: the rows that move up in the batch are other prompts', whose padding differs), the last row
+    never: each halving of the static decode and the dynamic decode's row drops happen, with rows left to sample
+    after each, in every smaller batch."""
+    halvings = max(1, (rows - 1).bit_length())  # down to one row
+    spacing = max(1, length // (halvings + 1))
+    ends = []
+    for r in range(rows):
+        wave = (r ^ (r + 1)).bit_length() - 1  # the trailing 1 bits of r: 0 for even rows, 1 for 1, 5, 9, ...
+        end = spacing * (wave + 1) - 1
+        ends.append(end if wave < halvings and end < length - 1 else -1)
+    return ends
+
+
+def self_check_replies(model, tokenizer, prompts, G, length, temperature, seed, decode):
+    """-> (the prompts, each a distinct length; G replies each, sampled by this decode with rows made to end at
+    staggered steps; those steps)."""
+    prompts = distinct_lengths(prompts)
+    ends = staggered_ends(len(prompts) * G, length)
+    model.eval()
+    return prompts, generate(model, tokenizer, prompts, G, length, temperature, None, seed=seed, decode=decode,
+                             ends=ends), ends
+
+
+@contextmanager
+def noisy_projections(model, seed):
+    """A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs whatever
+    the context, which hides attention faults and mixed-up rows: within the block they and the head (tiny too:
+    nanochat's 0.001 std) hold noise, as the other matrices start (1 / sqrt(fan-in)); restored after. -> how many
+    projections were zero."""
+    zero = [p for name, p in model.named_parameters() if name.endswith("c_proj.weight") and not p.any()]
+    head = model.lm_head.weight.detach().clone() if zero else None
+    noise = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            for p in zero + ([model.lm_head.weight] if zero else []):
+                p.copy_(torch.randn(p.shape, generator=noise) / math.sqrt(p.size(1)))
+        yield len(zero)
+    finally:
+        with torch.no_grad():
+            for p in zero:
+                p.zero_()
+            if zero:
+                model.lm_head.weight.copy_(head)
+
+
+@contextmanager
+def float32_matrices(net, on=True):
+    """A net stored with bf16 matrices (a frozen reference or teacher) computes in float32 within the block: its
+    matrices upcast (exactly), rounded back to the same bits after."""
+    matrices = [m for m in net.modules() if isinstance(m, nn.Linear) and m.weight.dtype != torch.float32] if on else []
+    try:
+        for m in matrices:
+            m.float()
+        yield
+    finally:
+        for m in matrices:
+            m.to(torch.bfloat16)
+
+
+def self_check_distances(results, keys):
+    """{path: {key: tensor}} of the "fast", "plain" and "float32" paths (and the plain path's "sampler" log-probs) ->
+    float64 [2 * len(keys) + 1]: for each key the fast and the plain path's distance from the float32 one (the
+    gradient's relative norm, else the largest difference), then the sampler's; inf where not finite."""
+    reference = results["float32"]
+
+    def distance(name, key):
+        value, ref = results[name][key], reference[key]
+        if key == "grads":
+            return (value - ref).norm() / ref.norm().clamp(min=1e-30)
+        return (value - ref).abs().max() if ref.numel() else ref.new_zeros(())
+    checks = torch.stack([distance(name, key) for key in keys for name in ("fast", "plain")] + [
+        (results["plain"]["sampler"] - reference["logprobs"]).abs().max()]).double()
+    return torch.where(checks.isfinite(), checks, math.inf)
 
 
 # -----------------------------------------------------------------------------

@@ -196,3 +196,36 @@ def test_the_algorithm_section_stays_one_read():
                                                           "forward_kl", "kl_reward_penalty", "pass_normalisers"))
     assert all(length[name] <= 85 for name in ("start_run", "start_process", "read_tasks", "build_models",
                                                "record_inputs"))
+
+
+def imported_modules(path):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                        if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_the_boundary_model_is_nanochat_grpo_is_what_grpo_adds_tasks_are_tasks():
+    # model.py imports nothing of the project; tasks/ may import model.py, never grpo.py; nanochat's optimizers live
+    # beside its GPT: no optimizer class in grpo.py
+    project = {"grpo", "model", "tasks"}
+    assert not imported_modules(os.path.join(ROOT, "model.py")) & project
+    for path in glob.glob(os.path.join(ROOT, "tasks", "*.py")):
+        assert "grpo" not in imported_modules(path), path
+    tree = ast.parse(open(os.path.join(ROOT, "grpo.py"), encoding="utf-8").read())
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert not [c.name for c in classes if any("Optimizer" in ast.unparse(base) for base in c.bases)]
+
+
+def test_a_flag_is_declared_once_with_its_role():
+    # every flag goes through declare (its role and idle conditions with its type, default and help), and no table
+    # of flag names stands beside the parser: resume's, evaluation's and --compare's sets are derived (flags_with)
+    dests = {a.dest for a in grpo.parser._actions if a.option_strings and a.dest != "help"}
+    assert dests == set(grpo.ROLES) == set(grpo.IDLE)
+    tree = ast.parse(open(os.path.join(ROOT, "grpo.py"), encoding="utf-8").read())
+    tables = [node.targets[0].id for node in tree.body if isinstance(node, ast.Assign)
+              and isinstance(node.targets[0], ast.Name) and isinstance(node.value, (ast.Tuple, ast.List))
+              and len(node.value.elts) > 1 and all(isinstance(e, ast.Constant) and e.value in dests
+                                                   for e in node.value.elts)]
+    assert not tables
+    assert grpo.flags_with("sampling") == ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")

@@ -350,7 +350,7 @@ def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_epi
     with pytest.raises(SystemExit) as stop:
         grpo.main(flags + ["--max-turns", "3", "--resume"])
     assert str(stop.value.code).startswith("error: --resume with flags that differ from the run's (max_turns)")
-    assert "attempts" not in grpo.NOT_TRAJECTORY  # refused the same way
+    assert "attempts" not in grpo.flags_with("observes")  # refused the same way
     grpo.main(flags + ["--resume"])
     grpo.main([f if f != "guess" else "whole" for f in flags])  # the same run, never stopped: the same steps
     (resumed, resumed_weights), (whole, whole_weights) = read_run(tmp_path, "guess"), read_run(tmp_path, "whole")

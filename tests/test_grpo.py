@@ -1593,3 +1593,10 @@ def test_under_gdpo_an_equal_sum_of_unequal_terms_is_no_equal_group():
     batch = grpo.make_batch(prompts[:2], {k: v[:4] for k, v in samples.items()}, rewards, args, reward_parts=parts)
     assert batch["equal_groups"].tolist() == [False, True]
     assert batch["loss_mask"][:2].sum() > 0 and batch["loss_mask"][2:].sum() == 0
+
+
+def test_a_flag_idle_for_two_reasons_gets_one_note():
+    # its idle conditions are declared with it: the first that holds is said, once
+    args = grpo.resolve_config(["--demo", "--kl-coef", "0", "--kl-placement", "reward", "--kl-estimator", "k2"])
+    assert [n for n in args.notes if n.startswith("--kl-estimator")] == [
+        "--kl-estimator does nothing here: the KL's weight is 0 (--kl-coef)"]

@@ -121,7 +121,7 @@ def test_the_self_check_covers_a_gpus_decode_step_over_each_rows_written_columns
         message and "\n" not in message
 
 
-# The check's rows end at staggered steps (grpo.staggered_ends), so that the decode's batch shrinks as a run's does:
+# The check's rows end at staggered steps (model.staggered_ends), so that the decode's batch shrinks as a run's does:
 # the static decode halves (each smaller batch its own step, captured on a GPU), the dynamic one drops rows.
 
 def decode_batches_of_the_check(monkeypatch):
