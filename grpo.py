@@ -656,13 +656,1388 @@ def reset_reference(model, ref_model, optimizers, step, args):
 
 
 # =============================================================================
-# The run's plumbing: the flags and presets, the whole-config checks, devices and processes, the start
-# policy and its optimizers, the run folder (lock, config, metrics, checkpoints, resume, one-line stops),
-# evaluation, distributed helpers and --compare. Nothing above needs to be read to follow the algorithm.
+# The run's plumbing, in the order it is called: what a step calls (the questions it takes, the micro-batches, the
+# optimizer step, the learning rates, the step's end), then main and the run's set-up (the self-check, the memory
+# plan), the flags, the run folder and --resume, evaluation and --ask, --compare. Nothing below needs to be read to
+# follow the algorithm.
 # =============================================================================
 
+
 # -----------------------------------------------------------------------------
-# Configuration. A flag's own bound is its type; the checks that need more than one flag are in check_config.
+# The questions a step takes: a pure function of (step, rank), so that a resumed run picks up where it stopped
+
+EPOCH_ORDERS = {}  # (num_examples, seed, prompts_per_step) -> (the latest epoch computed, its order)
+
+
+def epoch_order(num_examples, seed, epoch, prompts_per_step):
+    """The order in which the steps take epoch `epoch` (>= 1) of the questions: a permutation drawn from (seed,
+    epoch), except that a step which straddles the boundary with the previous epoch takes no question twice (the
+    same question with the same noise, seed-step-question, would be the same group twice): the questions it still
+    holds of the previous epoch are drawn later in this one. Each epoch depends on the end of the one before, so
+    the orders are computed forward from epoch 1, the latest kept."""
+    key = (num_examples, seed, prompts_per_step)
+    done, order = EPOCH_ORDERS.get(key, (0, None))
+    if done > epoch:
+        done, order = 0, None
+    while done < epoch:
+        done += 1
+        straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
+        held = set(order[num_examples - straddled:] if order is not None else  # epoch 0: the task's own order
+                   range(num_examples - straddled, num_examples)) if straddled else set()
+        shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
+        free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
+        taken = set(free)
+        order = free + [q for q in shuffled if q not in taken]
+    EPOCH_ORDERS[key] = (done, order)
+    return order
+
+
+def prompt_indices(step, rank, world_size, args, num_examples):
+    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
+    picks up exactly where it stopped. Epoch 0 keeps the task's own (fixed) order, later epochs reshuffle
+    (epoch_order); a step's questions are distinct (given as many questions as a step takes)."""
+    per_rank = args.prompts_per_step // world_size
+    first = step * args.prompts_per_step + rank * per_rank
+    indices = []
+    for g in range(first, first + per_rank):
+        epoch, i = divmod(g, num_examples)
+        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i])
+    return indices
+
+
+# -----------------------------------------------------------------------------
+# The update's micro-batches: which rows share a pass, and their layout as one sequence
+
+def to_device(batch, device):
+    """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
+    def move(value):
+        if torch.is_tensor(value):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        return [move(v) for v in value] if isinstance(value, list) else value
+    return move(batch)
+
+
+def plan_micro_batches(batch, args, static=None):
+    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
+    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
+    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
+    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
+    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
+    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
+    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
+    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
+    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
+    widths = batch["widths"].tolist()
+    N, G = len(widths), args.num_samples
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
+    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
+    micro_batches, totals = [], []
+    for j in range(args.num_minibatches):
+        rows = [r for r in range(N) if row_minibatch[r] == j]
+        mask = batch["loss_mask"][rows]
+        totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
+        if args.pack and args.device_batch_size is None:
+            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
+        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
+            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
+            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
+        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
+    return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
+
+
+def micro_batch(batch, rows, minibatch, widths, needed, args, static):
+    """One forward/backward pass of the update: these rows of the batch, cut to their longest width [R, width] (the
+    rows' own layout), with --pack their token ids as one sequence [1, total] (pack_micro_batch). It carries the
+    positions its log-probs are needed at (flat indices of `needed`: the loss mask, or with the KL in the reward
+    every sampled token), so that the forward passes never ask the device which they are (a host sync per pass)."""
+    width = max(widths[r] for r in rows)
+    mb = {k: batch[k][rows, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                              "sampler_logprobs")}
+    mb.update(minibatch=minibatch, rows=torch.tensor(rows))
+    if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
+        mb["pass_normalisers"] = batch["pass_normalisers"][rows]
+    if args.pack:  # the masks stay in the rows' layout
+        mb.update(pack_micro_batch(mb, [widths[r] for r in rows], args.tokens_per_pass, static))
+        mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
+    else:
+        mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
+    return mb
+
+
+@torch.no_grad()
+def teacher_top_logprobs(teacher, mb, args):
+    """--distill-divergence forward: the teacher's --distill-top-k tokens at the micro-batch's loss positions ->
+    dict(ids in the pass's layout, for the student's head; their log-probs and the rest's, in the rows' layout)."""
+    ids, top, rest = teacher.top_logprobs(mb["input_ids"], args.distill_top_k, args.temperature,
+                                          positions=mb["positions"], pack=mb.get("pack"))
+    return {"ids": ids, "logprobs": (in_rows(top, mb), in_rows(rest, mb))}
+
+
+# -----------------------------------------------------------------------------
+# The optimizer step and the update's statistics: summed on the device, read once when the update ends
+
+def update_stats(device):
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped_low", "clipped_high", "clip_tokens",
+                                      "tokens", "kl", "entropy", "sampler_gap", "teacher_kl")}
+    # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
+    return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
+                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
+                skipped_updates=0, empty_updates=0, no_signal_updates=0,
+                weights_finite=torch.ones((), dtype=torch.bool, device=device))
+
+
+@torch.no_grad()
+def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
+    """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
+    update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
+    The optimizers step one weight at a time, Muon one of its stacks (the others' gradients set aside: torch's
+    optimizers and Muon skip a weight without one), so that the copy the measurement needs is of one tensor or
+    stack, never of a whole optimizer's share of the model (for nanochat's d20, gigabytes of embeddings). With a
+    sharded optimizer (owners) a rank holds the gradients of its own weights only: it steps those, the sums are
+    over ranks, and every weight then comes from its owner."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
+        else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
+    grad_norm = (all_reduce(squares) if owners else squares).sqrt()
+    if grad_clip:  # as torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+        scale = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0).float()
+        torch._foreach_mul_([p.grad for p in params], scale)
+    stats["grad_norm"] += grad_norm
+    squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        grads = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        for chunk in Muon.stacks(params) if isinstance(opt, Muon) else [[p] for p in params]:
+            before = list(torch.stack(chunk).unbind(0))  # one copy of the chunk (same shapes)
+            for p in chunk:
+                p.grad = grads[p]
+            opt.step()
+            for p in chunk:
+                p.grad = None
+            before_norms, after_norms = torch._foreach_norm(before), torch._foreach_norm(chunk)
+            torch._foreach_sub_(before, chunk)  # -> the update, negated
+            squares += torch.stack([torch.stack(norms).double().square().sum()
+                                    for norms in (torch._foreach_norm(before), before_norms, after_norms)])
+    if owners:
+        all_reduce(squares)
+        broadcast_weights([p for p in model.parameters() if p.requires_grad], owners)
+    update, before, after = squares.sqrt()
+    stats["steps"] += 1
+    stats["update_ratio"] += update / before
+    stats["weight_norm_factor"] = torch.maximum(stats["weight_norm_factor"], torch.maximum(after / before,
+                                                                                           before / after))
+    stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
+
+
+@torch.no_grad()
+def add_micro_batch_stats(stats, loss, parts, mask, stepped):
+    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]; stepped: whether an
+    optimizer step came before this pass in the update."""
+    sums = stats["sums"]
+    sums["loss"] += loss
+    sums["loss_policy"] += parts["loss_policy"]
+    if "kl" in parts:
+        sums["loss_kl"] += parts["loss_kl"]
+        sums["kl"] += (parts["kl"] * mask).sum()
+    if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
+        clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
+        sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
+        sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
+        sums["clip_tokens"] += mask.sum()
+    sums["tokens"] += mask.sum()
+    if "teacher_kl" in parts:
+        sums["teacher_kl"] += (parts["teacher_kl"] * mask).sum()
+    sums["entropy"] += (parts["entropy"] * mask).sum()
+    sums["sampler_gap"] += (parts["sampler_gap"].abs() * mask).sum()
+    ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
+    stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
+    stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
+
+
+def finish_update_stats(stats, args, with_kl, with_teacher=False):
+    """-> the update's metrics, reduced over ranks: means over passes (losses) or over policy tokens."""
+    sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
+    passes = args.ppo_epochs * args.num_minibatches
+    tokens = sums["tokens"].clamp(min=1)
+    steps = max(stats["steps"], 1)
+    return {
+        "loss": (sums["loss"] / passes).item(),
+        "loss_policy": (sums["loss_policy"] / passes).item(),
+        "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
+        "kl": (sums["kl"] / tokens).item() if with_kl else None,
+        "teacher_kl": (sums["teacher_kl"] / tokens).item() if with_teacher else None,  # mean log pi_old - log pi_T
+        **{name: (clipped / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None for name, clipped in (
+            ("clip_frac", sums["clipped_low"] + sums["clipped_high"]), ("clip_frac_low", sums["clipped_low"]),
+            ("clip_frac_high", sums["clipped_high"]))},
+        "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
+        "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
+        "entropy": (sums["entropy"] / tokens).item(),
+        "sampler_gap": (sums["sampler_gap"] / tokens).item(),  # mean |log pi_old - log pi_sampler|
+        "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
+        "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
+        "weight_norm_factor": stats["weight_norm_factor"].item(),
+        "skipped_updates": stats["skipped_updates"],
+        "empty_updates": stats["empty_updates"],
+        "no_signal_updates": stats["no_signal_updates"],
+        "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
+    }
+
+
+def state_bytes(entry):
+    """The bytes of one weight's optimizer state (its momenta, second moments, step counter)."""
+    return sum(v.numel() * v.element_size() for v in entry.values() if torch.is_tensor(v))
+
+
+def optimizer_state_bytes(optimizers):
+    """The bytes of this rank's optimizer state."""
+    return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
+
+
+def weights_are_finite(model):
+    """-> a bool tensor on the device (no host sync): every weight is finite."""
+    return torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()], float("inf"))).isfinite().all()
+
+
+# -----------------------------------------------------------------------------
+# The learning rates' schedule
+
+def lr_multiplier(step, args):
+    """The learning rates' multiplier at this step (0-based): a linear warmup over --warmup-steps, then the schedule
+    from 1 down to --min-lr-frac at --num-steps. With the defaults, nanochat's linear decay: 1 - step / num_steps."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / (args.num_steps - args.warmup_steps)  # 0 at the end of warmup
+    decay = {"linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)), "constant": 1.0}
+    return args.min_lr_frac + (1 - args.min_lr_frac) * decay[args.lr_schedule]
+
+
+def set_learning_rates(optimizers, step, args):
+    multiplier = lr_multiplier(step, args)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+    return multiplier
+
+
+# -----------------------------------------------------------------------------
+# The end of a step: its metrics and samples, its warnings, an eval and a save when due, a stop honoured
+
+def record(run, metrics):
+    if run.master and run.writes:
+        with writing(), open(run.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if run.wandb:
+            run.wandb.log(metrics, step=metrics["step"])
+
+
+SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "length", "truncated"]
+
+
+def log_samples(args, run, step, groups, batch):
+    """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
+    reply side by side (one reply of a group whose rewards are equal), groups whose rewards differ first (they are
+    the ones the update learns from)."""
+    if not (run.master and run.writes and args.log_samples):
+        return
+    G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
+    equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
+    order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
+    rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
+            for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
+    table, episodes = [], []
+    for row in rows:
+        index = int(groups["indices"][row // G])
+        conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
+        table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
+                      advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
+        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
+    with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
+                     for values, episode in zip(table, episodes))
+    if run.wandb:
+        run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
+
+
+SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
+
+
+# One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
+# stay within a few percent per step (see docs/reliability.md, "When things go wrong"); a step size that is orders
+# of magnitude off multiplies the norm by far more.
+WEIGHT_NORM_WARNING = 2.0
+
+
+def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
+    """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
+    if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
+        stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
+    samples = groups["samples"]
+    # the policy's own rewards: of every group it sampled, also those dynamic sampling left out ("drawn")
+    drawn = groups.get("drawn", groups)
+    names = [f"reward/{name}" for name in run.train_task.reward_terms]
+    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
+    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
+                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
+                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
+                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
+                 equal_groups_kept=batch["equal_groups"].sum(),
+                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
+                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
+                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
+    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
+    local.update(episodes)
+    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
+                                                   device=run.device)).tolist()))  # over all ranks
+    weights_finite = stats.pop("weights_finite")
+    metrics = {"step": step + 1, "reward": sums["reward"] / sums["replies"],
+               "reward_group_std": sums["reward_group_std"] / sums["groups"],
+               "equal_group_frac": sums["equal_groups"] / sums["groups"],
+               **{name: sums[name] / sums["replies"] for name in names}, **stats,
+               **({"reward_kept": sums["reward_kept"] / sums["kept_replies"],
+                   "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups
+                  else {}),  # dynamic sampling: what the update saw, the groups it kept
+               "reply_len": sums["tokens"] / sums["kept_replies"],
+               "truncated_frac": sums["truncated"] / sums["kept_replies"],
+               "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
+               **{name: sums[name] / sums["kept_replies"] for name in episodes},  # episodes: turns, how they ended
+               "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
+               "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
+               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
+               "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
+                                                             dtype=torch.float64, device=run.device),
+                                                dist.ReduceOp.MAX).item(),  # the largest rank's
+               "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
+                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+               "wall_time": time.time() - run.wall_start}
+    record(run, metrics)
+    log_samples(args, run, step, groups, batch)
+    run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
+            f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
+            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
+            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
+            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
+            + (f" | turns {metrics['episode_turns']:.2f}" if episodes else "")
+            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
+              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
+              f"| {metrics['tokens_per_s']:.0f} tok/s")
+    # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
+    # (A teacher teaches in equal groups too.)
+    run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
+    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
+        run.signal_less_steps = math.inf
+        run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
+                f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
+                "from. What usually helps: an easier task or a curriculum, a grader that gives partial credit, a start "
+                "checkpoint that already solves some problems, a teacher (--distill-coef, --teacher), more replies a "
+                "question (--num-samples) or a warmer --temperature (docs/tasks.md)")
+    run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
+    if stats["skipped_updates"]:
+        run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
+    if stats["weight_norm_factor"] > WEIGHT_NORM_WARNING:
+        run.log(f"warning: step {step + 1}: one update changed the weights' norm by a factor "
+                f"{stats['weight_norm_factor']:.3g} (update/weight ratio {stats['update_ratio']:.3g}); the step sizes "
+                f"are probably far too large (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, "
+                f"--lora-lr)")
+    if not weights_finite or run.bad_steps >= args.max_bad_steps:
+        problem = ("the update made weights non-finite (NaN or inf)" if not weights_finite
+                   else f"{run.bad_steps} steps in a row had a non-finite loss")
+        stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
+                 "lower the learning rates or set --grad-clip (a resumed run may change those)")
+    last = step + 1 == args.num_steps
+    stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
+    evaluated = True  # the step's eval, when due, ran to its end
+    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+        # A stop saves first: an eval (minutes on a GPU) would outlast a launcher's grace period and lose the step.
+        # --resume runs the eval it skipped (first_eval).
+        if stopping:
+            run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
+        evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
+                                              args.eval_examples) is not None
+        stopping = not evaluated  # a stop signal during the eval abandoned it
+    due = (args.save_every and (step + 1) % args.save_every == 0) or last
+    if not run.bad_steps and (due or stopping):
+        optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
+        if run.master:
+            save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
+                                run.config, args.keep_states)
+        # Every rank waits for rank 0's write: a launcher ends the job's other processes once one of them has
+        # ended (torchrun: SIGTERM, then SIGKILL 30 s later), and a rank that stopped early would start that clock
+        # while the checkpoint is still being written.
+        requested = stop_requested(run)  # the barrier; and a stop that came during the save
+        stopping = stopping or (STOP["at_step_end"] and requested)
+    if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
+        raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
+
+
+def stop_requested(run):
+    """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
+    return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
+
+
+def stop_name():
+    return STOP["received"] or "a stop signal on another rank"
+
+
+def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, config, keep_states):
+    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
+    with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
+        # the resume state first, the model after: a step counts as saved once its model file exists
+        atomic_save({"step": step, "optimizers": optimizer_states,
+                     "master_weights": master_weights(model),
+                     "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
+                    os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
+        save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
+        # Only now that this step is complete may older states go (optimizer state, master weights and reference
+        # are several times the model's size); every model file stays, so nanochat can load any saved step.
+        if keep_states:
+            for old in complete_steps(checkpoint_dir)[:-keep_states]:
+                os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
+
+
+# -----------------------------------------------------------------------------
+# The run: main, and the one-line stops (a signal, out of memory, a lost rank, a full disk)
+
+def main(argv=None):
+    STOP.update(received=None, since=0.0, at_step_end=False)
+    args = resolve_config(argv)
+    if args.compare:  # the plot beside the runs when they share a folder, else in the current one
+        folders = {os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in args.compare}
+        plot_path = args.compare_out or os.path.join(folders.pop() if len(folders) == 1 else ".", "compare.png")
+        try:
+            return compare_runs(args.compare, plot_path)
+        except OSError as e:  # the table is printed: only the plot is missing
+            sys.exit(f"error: cannot write the plot {plot_path} ({e.strerror}): pass --compare-out with a file in a "
+                     "writable folder")
+    run_dir = os.path.join(args.runs_dir, args.run_name)
+    if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
+        sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
+                 "--runs-dir and --run-name, or drop --resume to start one)")
+    rank = int(os.environ.get("RANK", "0"))
+    # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
+    writes = not (args.eval_only or args.ask)
+    with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
+        try:
+            with lock_run_dir(run_dir) if rank == 0 and (writes or (args.eval_only and args.resume)) else nullcontext():
+                run = start_run(args, run_dir, rank, writes)
+                if args.eval_only or args.ask:
+                    result = ask(args, run) if args.ask else run_eval(args, run, run.start_step if args.resume else
+                                                                      run.model.start_step, args.final_eval_examples)
+                    leave_process_group()
+                    return result
+                STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal: the step ends, saved
+                first_eval(args, run)
+                train(args, run)
+                STOP["at_step_end"] = False
+                run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
+                        f"metrics in {run.metrics_path}")
+                if run.master:  # the summary: this run as a one-row comparison table, and its curves
+                    compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
+                leave_process_group()
+                return run.model
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS:
+                raise
+            stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
+                     "free disk space or make the folder writable")
+        except torch.OutOfMemoryError as e:
+            stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
+            stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
+        except GraderError as e:  # a changed grader does not resume a run (its sha256 is an input): a new one
+            stop_run(run_dir, str(e), "fix the function", resume=False)
+        except RuntimeError as e:
+            if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
+                raise
+            world_size = dist.get_world_size()
+            other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+            if STOP["received"]:  # signalled too (a terminal's Ctrl-C, a scheduler): the other ended on a second one
+                stop_run(run_dir, f"stopped by {STOP['received']}; {other} ended at once, on a second signal, before "
+                         "this rank reached the step's end", "")
+            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
+                     f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
+                     "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
+                     "longer)")
+
+
+def out_of_memory(args, world_size, trace):
+    """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of the step's functions
+    on its traceback), the sizes that drove that phase's memory, and the flags that lower them."""
+    calls = [frame.name for frame in traceback.extract_tb(trace)]
+    phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
+    rows = args.prompts_per_step // world_size * args.num_samples
+    if phase == "sample_groups":
+        per_call = min(rows, max(args.num_samples, args.sample_batch_size or rows))
+        return (f"out of GPU memory while sampling: {per_call} replies of up to {args.max_new_tokens} new tokens a "
+                f"generate call (--sample-batch-size; this rank's step: {rows} replies), their KV cache and logits",
+                f"lower --sample-batch-size (the same replies, in more calls; at least one group, --num-samples "
+                f"{args.num_samples}), or --max-new-tokens")
+    if phase in ("frozen_logprobs", "policy_update"):
+        what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
+        if args.pack and args.device_batch_size:  # the passes are rows of whole questions: --tokens-per-pass idle
+            return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} packed rows a forward "
+                    f"pass, each a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size "
+                    "(the result is the same, in more passes) or --max-new-tokens")
+        if args.pack:
+            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
+                    "lower --tokens-per-pass (at least the longest prompt and reply), or give --device-batch-size "
+                    "(rows a pass): the result is the same, in more passes")
+        return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
+                f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
+                "result is the same, in more passes) or --max-new-tokens")
+    if phase == "evaluate":
+        return (f"out of GPU memory in the eval: {EVAL_BATCH} problems a batch, x {max(1, args.pass_k)} replies of up "
+                f"to {args.eval_max_new_tokens} tokens", "lower --pass-k or --eval-max-new-tokens")
+    return ("out of GPU memory outside sampling, log-probs, update and eval: the model, its reference copy and "
+            "optimizer state take too much", "train fewer weights (--lora-rank), keep the reference in bf16 "
+            "(--ref-dtype bfloat16) or use a GPU with more memory")
+
+
+# The functions of a step whose memory an out-of-memory error is reported against (see out_of_memory)
+OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
+
+
+# A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
+# then saves the step under way and stops.
+STOP = {"received": None, "since": 0.0, "at_step_end": False}
+
+
+# Under torchrun the same signal again within this many seconds is the same stop: the launcher forwards every signal
+# it gets to its workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice. A
+# process of its own gets each signal once: there a second one, however soon, is a person's second Ctrl-C.
+SIGNAL_REPEAT_SECONDS = 2.0
+
+
+@contextmanager
+def stop_signals():
+    """Ctrl-C, SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run with the one-line stop; one that
+    arrives while a file is written waits until the file is whole (model.writing). During the steps, with
+    --save-on-stop, the first one lets the step under way finish and be saved (stop_at_step_end)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_at_step_end(signum, frame):
+    """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
+    skipping or abandoning an eval, then stops); a second one, or one outside the steps, stops at once (after a
+    write under way). Under torchrun the same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered
+    twice (by the launcher too), and changes nothing."""
+    name, now = signal.Signals(signum).name, time.monotonic()
+    repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
+    if STOP["received"] == name and now - STOP["since"] < repeat:
+        return
+    first = STOP["at_step_end"] and not STOP["received"]
+    STOP.update(received=name, since=now)
+    if not first:
+        return stop_signal(signum, frame)
+    if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
+        second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
+        os.write(2, f"{name}: the run stops: a step under way is finished and saved first, an eval is left at the end "
+                    f"of its batch for --resume to run ({second} stops it at once)\n".encode())
+
+
+# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def stop_run(run_dir, problem, remedy, resume=True):
+    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
+    False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
+    first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
+    not know whether one is being written, and names none."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
+                 "checkpoint to go on from)")
+    found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
+                   for s in complete_steps(d))
+    then = f"{remedy}, then " if remedy else ""
+    if found:
+        step, checkpoint_dir = found[-1]
+        sys.exit(f"error: {problem}. The run's newest checkpoint, step {step} in {checkpoint_dir}, is complete and "
+                 "unchanged: " + (f"{then}go on from it with --resume" if resume else f"{then}start a new run from it "
+                                   f"(--init {checkpoint_dir}, another --run-name): --resume refuses changed inputs"))
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
+    if not resume and discard_unstarted(run_dir):
+        sys.exit(f"error: {problem}. The run stopped before its first step, and its files are removed: {then}run the "
+                 "command again")
+    if not resume:
+        sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}run the command again with another "
+                 "--run-name (--resume refuses changed inputs)")
+    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
+             "same command and --resume")
+
+
+# -----------------------------------------------------------------------------
+# Setting a run up: processes and devices, tasks, the start policy, its reference, teacher and optimizers
+
+def start_run(args, run_dir, rank, writes):
+    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
+    False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
+    evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
+    world_size, device, master, log, dtype, autocast = start_process(args, rank)
+    train_task, test_task, watched = read_tasks(args)
+    if args.distill_coef > 0 and not evaluating:
+        teacher_checkpoint(args)
+    # after the inputs: a wrong path or --teacher says so whatever the run folder holds
+    if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
+    config.update(world_size=world_size, version=VERSION)
+    setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
+    setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
+        setup_log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl")
+                                                                         else " (its test split)"))
+    static_pack = None
+    if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
+        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
+        for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
+            config[k] = getattr(args, k)  # the run folder says what ran
+        # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as
+        # a minibatch holds
+        if args.compile and args.pack:
+            static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
+    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
+                                                                        setup_log, evaluating)
+    teacher = teacher_digest = None
+    if args.distill_coef > 0 and not evaluating:
+        teacher, teacher_digest = load_teacher(args, tokenizer, log)
+        teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
+                         args.teacher_offload and device.type == "cuda")
+        teacher.use_compile = args.compile
+    record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest)
+    run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
+                          train_task=train_task, test_task=test_task, watched=watched, model=model,
+                          tokenizer=tokenizer,
+                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners,
+                          config=config, static_pack=static_pack,
+                          run_dir=run_dir, tag=tag,
+                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
+                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
+                          signal_less_steps=0, start_evaluated=False,
+                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
+    if args.resume:
+        run.start_step = resume(args, run)
+        setup_log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
+    if args.self_check if args.self_check is not None else device.type == "cuda":
+        self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
+    # after the configuration, the plan and the self-check: the last lines before the steps (--ask's: after its first)
+    for note in args.notes if not args.ask else ():
+        log(f"note: {note}")
+    if args.eval_only:
+        log(f"--eval-only: {evaluation_settings(args)}")
+    wall_before = write_run_files(args, run) if writes else 0.0
+    run.wall_start = time.time() - wall_before
+    run.wandb = None
+    if args.wandb and master and writes:
+        import wandb
+        run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
+    return run
+
+
+def start_process(args, rank):
+    """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
+    prints), dtype, autocast)."""
+    # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=args.dist_timeout)  # a rank that hangs stops the others after this long
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    threads = thread_policy(args, device, world_size)
+    if not args.ask:  # its answer comes first
+        log(threads)
+    if args.compile is None:  # a compile costs a minute or more: worth it on a GPU, not for the CPU's small runs
+        args.compile = device.type == "cuda"
+    # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    torch.manual_seed(args.seed)
+    return world_size, device, master, log, dtype, autocast
+
+
+def thread_policy(args, device, world_size):
+    """Set this process's CPU threads for the run -> the line that says how many and why. The count is fixed for
+    the whole run: a reduction's last bits may depend on it, and the same seed on the same machine is the same run."""
+    if device.type != "cpu":
+        return f"threads: {torch.get_num_threads()} on the host (the work is on {device.type})"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        why = "--threads"
+    elif "OMP_NUM_THREADS" in os.environ:
+        why = "OMP_NUM_THREADS"
+    elif world_size > 1:  # as torchrun sets it: the ranks share the cores
+        torch.set_num_threads(1)
+        why = "one per rank, as torchrun's"
+    else:
+        why = "torch's default, one per core"
+    spin = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else
+            f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
+    return f"threads: {torch.get_num_threads()} ({why}; {spin}; --threads N sets it)"
+
+
+def leave_process_group():
+    if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def read_tasks(args):
+    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data,
+    before the configuration is printed. Sets --num-steps where it waited for the data (one epoch)."""
+    try:  # what can fail on bad input, before the configuration is printed: the tasks' data, the start checkpoint
+        train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
+        watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    start_checkpoint_dir(args)
+    if args.num_steps is None:  # the task's default needed its data: one epoch
+        args.num_steps = max(1, len(train_task) // args.prompts_per_step)
+        if args.warmup_steps >= args.num_steps:
+            parser.error(f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (one epoch of "
+                         f"{args.task}: {args.num_steps} steps)")
+    if args.prompts_per_step > len(train_task) and not (args.ask or args.eval_only):  # a step's, not a question's
+        sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
+                 "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
+    return train_task, test_task, watched
+
+
+def build_models(args, config, world_size, device, dtype, log, evaluating=False):
+    """The start policy on the device, its optimizers (and each weight's owning rank when sharded) and the reference
+    -> (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone (no optimizers, no
+    reference)."""
+    model, tokenizer, tag = load_policy(args, log)
+    model.to(device)
+    model.use_compile = args.compile  # the reference, a copy of the model, inherits it
+    if args.lora_rank:  # before the optimizers: the adapters are the only weights that train
+        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    if args.optimizer == "muon" and not args.lora_rank:  # recorded, so that a resume steps with the same one
+        args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
+        recorded = " (the start checkpoint's, as its meta records)" if getattr(
+            model, "trained_optimizer", None) == args.optimizer_version else ""
+        if not evaluating:
+            log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} "
+                "(docs/optimizers.md)")
+    if evaluating:
+        return model, tokenizer, tag, [], None, None
+    optimizers = make_optimizers(model, args)
+    owners = None
+    if args.shard_optimizer and world_size > 1:
+        owners = shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
+        log(f"optimizer state sharded over the {world_size} ranks, each weight's on one (--no-shard-optimizer: on all)")
+    if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
+        parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
+    if args.kl_coef == 0:
+        ref_model = None  # no KL term, no reference
+    elif args.lora_rank:
+        ref_model = model  # the base model: the policy with its adapters switched off, no second copy
+    else:
+        ref_model = frozen(copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16",
+                           args.ref_offload and device.type == "cuda")
+    return model, tokenizer, tag, optimizers, owners, ref_model
+
+
+def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
+    """config.json's "inputs" (sha256 of what the run depends on besides its flags, checked on --resume) and
+    "scores" (what --compare ranks by)."""
+    config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
+                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
+    if teacher_digest is not None:
+        config["inputs"]["teacher"] = teacher_digest
+    config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
+    own_grader = [args.grader] if args.grader not in GRADERS else []
+    for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
+        code = code_fingerprint(spec)
+        if code:
+            config.setdefault("task_code", {})[spec] = code
+            config["inputs"][f"code:{spec}"] = code["sha256"]
+    for name, task in watched.items():
+        config["inputs"][f"watched:{name}"] = task.fingerprint()
+
+
+def load_policy(args, log, shapes_only=False):
+    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>. shapes_only: the model on
+    the meta device, without reading its weights."""
+    if args.init == "scratch":
+        tokenizer = Tokenizer.byte_level()
+        config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
+                           n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
+        if shapes_only:
+            with torch.device("meta"):
+                return GPT(config), tokenizer, f"d{args.depth}"
+        model = GPT(config).init_weights(args.seed)
+        model.start_step = 0
+        return model, tokenizer, f"d{args.depth}"
+    checkpoint_dir = start_checkpoint_dir(args)
+    try:
+        model, meta = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
+                                      window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
+        tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
+    except CheckpointFileError as e:
+        unusable_checkpoint("--init", e, loadable_steps(checkpoint_dir))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
+    model.start_step = meta.get("step", 0) if isinstance(meta, dict) else 0  # what --eval-only's line names
+    trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
+    model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
+    return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
+
+
+def start_checkpoint_dir(args):
+    """--init sft | <checkpoint dir> -> the folder to start from (None for scratch); one error line if there is none."""
+    if args.init == "scratch":
+        return None
+    if args.init != "sft":
+        folder = checkpoint_folder(args.init)
+        if not checkpoint_steps(folder):
+            sys.exit(f"error: --init: no model_<step>.pt files in {os.path.abspath(args.init)}: name a nanochat "
+                     "checkpoint folder (e.g. <base>/chatsft_checkpoints/d20) or a run folder of grpo.py, or use "
+                     "--init sft")
+        return folder
+    try:
+        return find_checkpoint(tag=args.model_tag)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}; train a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
+
+
+def frozen(net, bf16_matrices, offload):
+    """A model that does not train (the reference, the teacher) -> it, without gradients. bf16_matrices: under bf16
+    autocast every matmul casts its weight to bf16 anyway, so stored so its matrices take half the memory and give
+    the same numbers (embeddings, gains and gates stay float32: no matmul). offload: in pinned CPU memory, a fast
+    copy to the GPU for each use (on_device)."""
+    net.requires_grad_(False).eval()
+    if bf16_matrices:
+        for module in net.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.to(torch.bfloat16)
+    if offload:
+        for p in net.parameters():
+            p.data = p.data.cpu().pin_memory()
+    return net
+
+
+@contextmanager
+def on_device(module, device, offload):
+    """--ref-offload, --teacher-offload: a module whose weights wait in CPU memory, on the device for the duration of
+    the block. Its weights do not change there, so nothing is copied back: they point to their CPU copies again."""
+    if not offload or device.type == "cpu":
+        yield
+        return
+    kept = [p.data for p in module.parameters()]
+    for p in module.parameters():
+        p.data = p.data.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for p, cpu in zip(module.parameters(), kept):
+            p.data = cpu
+
+
+def teacher_checkpoint(args):
+    """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
+    folder, the step); one error line when there is none."""
+    folder = checkpoint_folder(args.teacher)
+    complete = loadable_steps(folder)
+    if not complete:
+        sys.exit(f"error: --teacher: no model_<step>.pt with its meta_<step>.json in {os.path.abspath(args.teacher)}: "
+                 "name a nanochat checkpoint folder (e.g. <base>/chatsft_checkpoints/d32) or a run folder of grpo.py")
+    step = complete[-1] if args.teacher_step is None else args.teacher_step
+    if step not in checkpoint_steps(folder):  # one without its meta: load_checkpoint's line, as a damaged step's
+        sys.exit(f"error: --teacher-step {step}: {folder} holds steps {complete}")
+    return folder, step
+
+
+def load_teacher(args, tokenizer, log, shapes_only=False):
+    """--teacher, in float32 on the CPU (shapes_only: on the meta device) -> (model, fingerprint for --resume: the
+    sha256 of its meta file, its model file's size and first and last MiB). It must read text as the policy does:
+    its log-probs are over its own token ids."""
+    folder, step = teacher_checkpoint(args)
+    try:
+        teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
+        teacher_tokenizer = Tokenizer.from_file(tokenizer_path(folder))
+    except CheckpointFileError as e:
+        unusable_checkpoint("--teacher", e, loadable_steps(folder))
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: --teacher: {e}")
+    reads = [(t.enc._pat_str, t.enc._mergeable_ranks, t.enc._special_tokens) for t in (tokenizer, teacher_tokenizer)]
+    if reads[0] != reads[1]:
+        policy_file = tokenizer_path(start_checkpoint_dir(args)) if args.init != "scratch" else \
+            "the byte-level one of --init scratch"
+        sys.exit(f"error: --teacher's tokenizer ({tokenizer_path(folder)}) is not the policy's ({policy_file}): "
+                 "distillation compares the two models' log-probs of the same token ids; pick a teacher trained "
+                 "with the policy's tokenizer")
+    digest = hashlib.sha256()
+    model_path = os.path.join(folder, f"model_{step:06d}.pt")
+    with open(os.path.join(folder, f"meta_{step:06d}.json"), "rb") as meta, open(model_path, "rb") as weights:
+        digest.update(meta.read())
+        size = os.fstat(weights.fileno()).st_size
+        digest.update(str(size).encode() + weights.read(2 ** 20))
+        weights.seek(max(0, size - 2 ** 20))
+        digest.update(weights.read())
+    log(f"teacher: {folder}, step {step}, {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters")
+    return teacher, digest.hexdigest()
+
+
+def unusable_checkpoint(flag, error, steps):
+    """Exit with one line for a checkpoint file that cannot be used, damaged or a meta file missing (the
+    CheckpointFileError names it and what is wrong), and how to go on: from another step of its folder (steps:
+    loadable_steps; for --resume, those with training state), or from another checkpoint. The one place a damaged
+    file becomes a message, for --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint
+    through one of these)."""
+    folder, name = os.path.split(error.path)
+    step = int(re.search(r"_(\d+)\.", name).group(1))
+    others = [s for s in steps if s != step]
+    listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
+    if not others:
+        instead = ("no other step of the run has its training state" if flag == "--resume" else
+                   f"no other step in {folder} has its model and meta files: copy that file again from where it "
+                   "came")
+    else:
+        other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
+        whole = f"the steps with model and meta files: {listed}"
+        instead = {"--init": f"start from step {other} instead (--init-step {other}; {whole})",
+                   "--teacher": f"use its step {other} instead (--teacher-step {other}; {whole})",
+                   "--resume": f"move step {step}'s model, meta and state files out of the folder to resume from step "
+                               f"{other} (the steps with training state: {listed})"}[flag]
+    elsewhere = {"--init": "start from another checkpoint with --init", "--teacher": "name another --teacher",
+                 "--resume": "start a new run from a checkpoint with --init"}[flag]
+    sys.exit(f"error: {flag}: {error}; {instead}, or {elsewhere}")
+
+
+# -----------------------------------------------------------------------------
+# The self-check: the update's own pass against the plain one on a few real rows (model.py makes the rows)
+
+# The self-check's bound: a fast path may be at most this many times as far from the float32 plain path as the
+# run's plain path is (rounding of the run's dtype), plus SELF_CHECK_FLOOR (a float32 run's own rounding).
+SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
+
+
+def self_check(args, run, questions=4, new_tokens=16):
+    """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
+    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), the
+    rows made to end at staggered steps (staggered_ends: the static decode halves its batch and runs each smaller
+    batch's step, captured on a GPU; the dynamic one drops rows), then their log-probs and the gradient of the
+    update's loss (fixed random advantages; a teacher's term too) through the update's own pass (micro_batch_loss:
+    packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows, eager), each
+    measured against the plain path in float32; the sampler's own log-probs likewise; with a teacher, its own
+    forward and the forward KL at its top-k (the student's gather) likewise (self_check_paths). The check's batch
+    is its own (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's
+    flags. A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs
+    whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
+    restores them after. Prints one line; a path beyond the bound stops every rank with one line naming it and the
+    flag that avoids it."""
+    start, model = time.time(), run.model
+    check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
+                                   drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
+                                   advantage="mean", kl_coef=0.0, rollout_correction="off",
+                                   distill_coef=args.distill_coef if run.teacher is not None else 0.0))
+    G = check.num_samples  # the check's own replies a question, whatever the run's
+    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions,
+                                                                                         len(run.train_task)))]
+    try:
+        with noisy_projections(model, args.seed) as zero:
+            with run.autocast:
+                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, G, min(
+                    new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
+            results = self_check_paths(args, run, check, prompts, samples)
+    finally:
+        for net in [model] + ([run.teacher] if run.teacher is not None else []):
+            net.use_compile = args.compile
+    checks = self_check_distances(results, SELF_CHECKED)
+    checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
+    measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
+    self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
+
+
+SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
+
+
+def self_check_paths(args, run, check, prompts, samples):
+    """The check's replies through each path: the run's own ("fast"), the plain one ("plain": padded rows, eager)
+    and the plain one in float32 -> {path: dict(logprobs: of the sampled tokens [N, T]; grads: of the loss, flat;
+    sampler: the sampler's log-probs [N, T]; teacher: the teacher's own forward at the loss positions, its top-k
+    log-probs and the rest's [N, T, k + 1] (in descending order: near-ties may swap, the values do not) or its
+    log-probs of the tokens [N, T]; kl: the forward KL at the teacher's top-k [N, T])}, the last two empty without
+    them. Every path's student takes the fast path's teacher (its ids laid out for each pass), so that the student's
+    gather is compared at the same tokens and the teacher's forward on its own."""
+    model, teacher, G = run.model, run.teacher, check.num_samples
+    rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
+    plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
+    paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
+    params = [p for p in model.parameters() if p.requires_grad]
+    advantages = torch.randn(rows, 1, generator=torch.Generator().manual_seed(args.seed)).to(run.device)
+    forward = teacher is not None and check.distill_divergence == "forward"
+    results, taught = {}, None  # taught: the fast path's teacher, its tensors in the rows' layout [N, T, ...]
+    for name, (path_args, autocast) in paths.items():
+        batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
+                                     run.static_pack if path_args.pack else None), run.device)
+        micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
+        for net in nets:
+            net.use_compile = args.compile and name == "fast"
+        terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
+        own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
+        if name == "fast":
+            taught = own
+        logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
+        loss = 0.0
+        for i, mb in enumerate(micro_batches):
+            term = terms[i] if name == "fast" or teacher is None else term_for(taught, mb)
+            with autocast:
+                mb_loss, parts, mb_logprobs = micro_batch_loss(model, mb, None, None, term, advantages[mb["rows"]],
+                                                               mask.sum(), path_args)
+            loss = loss + mb_loss
+            logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
+            if forward:
+                kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
+        grads = torch.autograd.grad(loss, params)
+        values = mask.new_zeros(0)
+        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
+            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
+            values = values * mask[..., None]
+        results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
+                             sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
+                             kl=kl if forward else mask.new_zeros(0))
+    return results
+
+
+def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
+    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms): with
+    --distill-divergence forward its top-k ids in the pass's layout and their log-probs and the rest's in the rows',
+    else its log-probs of the tokens; through this path (packed or not, compiled or not: args, teacher.use_compile).
+    float32: a teacher stored with bf16 matrices (frozen) computes in float32 for the while, its matrices upcast
+    (exactly) and rounded back to the same bits after."""
+    if teacher is None:
+        return [None] * len(micro_batches)
+    with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
+        if args.distill_divergence == "forward":
+            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+        return frozen_logprobs(teacher, micro_batches, args, nullcontext())
+
+
+def terms_in_rows(terms, micro_batches):
+    """Each micro-batch's teacher term as tensors in the rows' layout [R, width, ...]: (ids, top-k log-probs, the
+    rest's log-prob or None), or (log-probs,); none without a teacher."""
+    if terms[0] is None:
+        return []
+    if isinstance(terms[0], dict):
+        return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
+    return [(t,) for t in terms]
+
+
+def term_for(taught, mb):
+    """The teacher's term (taught: its tensors in the rows' layout, terms_in_rows' order, [N, T, ...]) for a micro-batch
+    of padded rows, whose pass's layout is the rows'."""
+    part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
+    return part[0] if len(part) == 1 else {"ids": part[0], "logprobs": (part[1], part[2])}
+
+
+def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
+    """Each path's distance against its bound (measured: what -> [fast, plain] distances from the float32 path;
+    decode: the sampler's): one line, or the run stops on the first path beyond its bound."""
+    bounds = {key: SELF_CHECK_FACTOR * plain + SELF_CHECK_FLOOR for key, (_, plain) in measured.items()}
+    fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
+                  else "padded rows") + (", compiled" if args.compile else ""))
+    fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
+    decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
+    # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
+    decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
+    compiled = ", compiled" if args.compile and decode_flag else ""
+    decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
+    (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
+        measured[key] for key in SELF_CHECKED)
+    failed = [(what, value, bound, rounding, flag) for what, value, bound, rounding, flag in (
+        (f"{fast_path}: log-probs", fast_lp, bounds["logprobs"], plain_lp, fast_flag),
+        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, bounds["kl"],
+         plain_kl, fast_flag),
+        (f"{fast_path}: the gradient", fast_grad, bounds["grads"], plain_grad, fast_flag),
+        (f"{decode_path}: its log-probs", decode, bounds["logprobs"] + plain_lp, plain_lp, decode_flag),
+        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, bounds["teacher"], plain_teacher,
+         fast_flag),
+    ) if not value <= bound]
+    if failed:
+        what, value, bound, rounding, flag = failed[0]
+        remedy = f"run with {flag} (and report it)" if flag else "report it"
+        sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
+                 f"run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
+                 "--no-self-check to train anyway")
+    taught = "" if run.teacher is None else (
+        f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
+            f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
+    steps = sorted({end for end in ends if end >= 0})
+    ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
+    run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
+            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
+            f"{len(ends)} rows" + (
+                f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
+                else "") + f"; {seconds:.1f}s")
+
+
+# -----------------------------------------------------------------------------
+# The memory plan: what each rank will hold, from the model's shapes alone (a model on the meta device), before
+# the checkpoint is read
+
+GiB = 2 ** 30
+
+
+def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False,
+                teacher=None):
+    """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
+    that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
+    (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
+    known (they depend on neither phase). exact_attention: packed passes take the exact path, not flash attention
+    (the CPU, float32): its padded block is counted too. teacher: --teacher's model (shapes), held like the
+    reference."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optimizer_state is None:
+        owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
+        optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
+    compute_bytes = 2 if dtype == "bfloat16" else 4
+    ref_bytes = 0
+    if args.kl_coef and not args.lora_rank and not args.ref_offload:
+        ref_bytes = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")
+    c = model.config
+    head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
+    rows = sample_batch_rows(args, world_size)
+    kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
+    micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
+    if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
+        tokens = micro_rows * (length - 1)
+        activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
+                       pass_activations(c, tokens, args))
+    elif args.pack:
+        activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
+                       pass_activations(c, args.tokens_per_pass, args))
+    else:
+        activations = (f"update: activations of {micro_rows} rows (estimate)",
+                       pass_activations(c, micro_rows * length, args))
+    exact = {} if not (args.pack and exact_attention) else {
+        "update: exact attention's padded rows (bound)": exact_attention_bytes(
+            c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
+    return {
+        "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
+        "optimizer state per rank": optimizer_state,
+        "reference model": ref_bytes,
+        **({"teacher model": frozen_bytes(teacher, dtype == "bfloat16")} if teacher is not None
+           and not args.teacher_offload else {}),
+        # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
+        # through a generate call
+        "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
+            m, torch.nn.Linear)) if compute_bytes == 2 else 0,
+        f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
+        + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
+        "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
+        MUON_STEP: muon_step_bytes(model, args),
+        activations[0]: activations[1],
+        **exact,
+        # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
+        # token of the rank's step, taken before the update and kept through it
+        **({"update: the teacher's top-k of the step's reply tokens": args.prompts_per_step // world_size
+            * args.num_samples * args.max_new_tokens * (12 * min(args.distill_top_k, c.vocab_size) + 4)}
+           if teacher is not None and args.distill_divergence == "forward" else {}),
+    }
+
+
+MUON_STEP = "update: Muon's step, stacks of its matrices (bound)"
+
+
+def muon_step_bytes(model, args):
+    """Bytes Muon's step holds beside the gradients, at most: 9.25 float32 copies of its largest stack at the peak
+    (the update, momentum, NorMuon's terms and the measurement's copy: `python tests/bench_memory.py --muon`), counted
+    as 10. The activations are gone by then: a bound."""
+    if args.optimizer != "muon" or args.lora_rank:
+        return 0
+    return 10 * max(len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
+
+
+def frozen_bytes(net, bf16_matrices):
+    """Bytes of a model that does not train (frozen): its matrices in bf16 when bf16_matrices, the rest float32."""
+    linear = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(p.numel() * (2 if bf16_matrices and id(p) in linear else 4) for p in net.parameters())
+
+
+def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
+    """Bytes of the exact path of packed attention (model.packed_attention off flash attention): a pass's rows
+    gathered into a block of [rows, longest row], queries, keys, values and the output kept for the backward in
+    every layer. Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's static shape), or at
+    most one per token of the budget."""
+    most = minibatch_rows(args, world_size)
+    rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
+        most, tokens_per_pass)
+    head_dim = c.n_embd // c.n_head
+    return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
+
+
+def pass_activations(c, tokens, args):
+    """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
+    bytes per token, layer and unit of width eager, ~48 compiled (inductor keeps fewer intermediates), and the
+    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
+    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived, on an H200 at d20 under bf16 autocast
+    (the residual stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an
+    all-16-bit block): 75-76 eager, the plan within 4% of torch's allocated peak; compiled, 46.7 from the peaks of
+    two pass sizes (32,768 and 65,664 tokens), the plan 2-3% over those peaks; the head's chunk, 24.0-24.4 and
+    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32, and 8 more with the forward KL's gather
+    (`python tests/bench_memory.py --head`; docs/performance.md)."""
+    head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
+    head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
+    if args.distill_coef and args.distill_divergence == "forward":  # the teacher's top-k gathered from the student's
+        head_bytes += 8  # log-probs, and the rest's log-mass (a masked [N, V] copy): 24.2 measured, 16.2 without
+    return tokens * c.n_layer * (48 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
+
+
+def size(n):
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def phase_bytes(plan, phase=None):
+    """The plan's bytes of one phase ("sampling", "update"), or with None of what stays all run."""
+    return sum(v for k, v in plan.items() if (k.split(":")[0] == phase if phase else ":" not in k))
+
+
+def plan_peak(plan):
+    """What stays, plus the larger of the two phases."""
+    return phase_bytes(plan) + max(phase_bytes(plan, "sampling"), phase_bytes(plan, "update"))
+
+
+def planned_optimizer_state(model, args, owners, world_size):
+    """-> bytes of optimizer state on each rank: the optimizers built on the meta-device model and stepped once on
+    zero gradients, so that every piece of state is counted as they allocate it."""
+    optimizers = make_optimizers(model, args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for opt in optimizers:
+        opt.step()
+    for p in params:
+        p.grad = None
+    per_rank = [0] * world_size
+    for opt in optimizers:
+        for p, entry in opt.state.items():
+            for rank in [owners[id(p)]] if owners else range(world_size):
+                per_rank[rank] += state_bytes(entry)
+    return per_rank
+
+
+def sample_batch_rows(args, world_size):
+    """Replies a generate call samples: --sample-batch-size in whole groups, at most this rank's step."""
+    rows = args.prompts_per_step // world_size * args.num_samples
+    G = args.num_samples
+    return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
+
+
+def minibatch_rows(args, world_size):
+    """Rows of this rank's share of a minibatch (at most: the shares differ by one where they do not divide)."""
+    return -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)
+
+
+def free_memory(device):
+    """Bytes this process may use: the GPU's free memory, or its share of the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of a machine share it
+
+
+def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher=None):
+    """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
+    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
+    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
+    Off a GPU, --ref-offload and --teacher-offload keep the model where it is: counted."""
+    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False, teacher_offload=False))
+    longest_row = longest_prompt + args.max_new_tokens - 1
+    exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
+    smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
+                                                         device_batch_size=1, tokens_per_pass=longest_row)),
+                           world_size, longest_prompt, dtype, exact_attention=exact, teacher=teacher)
+    if args.sample_batch_size is None and gpu:
+        per_reply = phase_bytes(smallest, "sampling") / args.num_samples
+        args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
+    room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"] - smallest[MUON_STEP]
+    rows = args.prompts_per_step // world_size * args.num_samples
+    if args.device_batch_size is None and not args.pack:
+        per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
+        args.device_batch_size = max(1, min(rows, int(room // per_row)))
+    if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
+        # at most the rank's whole step
+        compute_bytes = 2 if dtype == "bfloat16" else 4
+        fits = [t for t in range(128, rows * longest_row + 128, 128)
+                if pass_activations(model.config, t, args) + (exact_attention_bytes(
+                    model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
+        args.tokens_per_pass = max([longest_row] + fits[-1:])
+    planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
+                                     sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
+    return memory_plan(model, planned, world_size, longest_prompt, dtype, smallest["optimizer state per rank"],
+                       exact, teacher), smallest
+
+
+def plan_memory(args, world_size, device, dtype, task, log):
+    """Print the memory plan (rank 0), pick the sampling chunk on a GPU, and stop with one line when even the
+    smallest chunks cannot fit: before the checkpoint is read."""
+    model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
+    if args.lora_rank:
+        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
+    teacher = load_teacher(args, tokenizer, lambda *a: None, shapes_only=True)[0] if args.distill_coef > 0 else None
+    longest_prompt = task.longest_prompt(tokenizer)
+    free = free_memory(device)
+    gpu = device.type == "cuda"
+    for flag, what in (("ref", "reference"), ("teacher", "teacher")):
+        if getattr(args, f"{flag}_offload") and not gpu:
+            log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
+    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher)
+    longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
+    if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
+        sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
+                 f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
+                 f"raise it to at least {longest_row}, or lower --max-new-tokens")
+    if plan_peak(smallest) > free:
+        remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
+            "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
+            ["--ref-offload"] if smallest["reference model"] else []) + (
+            ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
+        sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
+                 f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
+    where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
+                                                    if world_size > 1 and args.shard_optimizer else "") + (
+        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack and not args.device_batch_size
+        else f"; --device-batch-size {args.device_batch_size}")
+    log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
+        f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
+    if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
+        kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
+                           dtype, plan["optimizer state per rank"])["reference model"]
+        log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
+            f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
+    if plan_peak(plan) > free:
+        rows_flag = "--tokens-per-pass" if args.pack and not args.device_batch_size else "--device-batch-size"
+        log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
+            f"--sample-batch-size or {rows_flag} if the run runs out of memory")
+    return longest_prompt
+
+
+# -----------------------------------------------------------------------------
+# The flags: each declared once with its role, the presets, the demo; resolved and checked before any work
 
 def at_least(low):
     """The type of an integer flag with a lower bound: argparse refuses a smaller value, naming the flag."""
@@ -1063,149 +2438,6 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
             save_every=250, device="cpu")
 
 
-def main(argv=None):
-    STOP.update(received=None, since=0.0, at_step_end=False)
-    args = resolve_config(argv)
-    if args.compare:  # the plot beside the runs when they share a folder, else in the current one
-        folders = {os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in args.compare}
-        plot_path = args.compare_out or os.path.join(folders.pop() if len(folders) == 1 else ".", "compare.png")
-        try:
-            return compare_runs(args.compare, plot_path)
-        except OSError as e:  # the table is printed: only the plot is missing
-            sys.exit(f"error: cannot write the plot {plot_path} ({e.strerror}): pass --compare-out with a file in a "
-                     "writable folder")
-    run_dir = os.path.join(args.runs_dir, args.run_name)
-    if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
-        sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
-                 "--runs-dir and --run-name, or drop --resume to start one)")
-    rank = int(os.environ.get("RANK", "0"))
-    # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
-    writes = not (args.eval_only or args.ask)
-    with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
-        try:
-            with lock_run_dir(run_dir) if rank == 0 and (writes or (args.eval_only and args.resume)) else nullcontext():
-                run = start_run(args, run_dir, rank, writes)
-                if args.eval_only or args.ask:
-                    result = ask(args, run) if args.ask else run_eval(args, run, run.start_step if args.resume else
-                                                                      run.model.start_step, args.final_eval_examples)
-                    leave_process_group()
-                    return result
-                STOP["at_step_end"] = args.save_on_stop  # from here a first stop signal: the step ends, saved
-                first_eval(args, run)
-                train(args, run)
-                STOP["at_step_end"] = False
-                run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
-                        f"metrics in {run.metrics_path}")
-                if run.master:  # the summary: this run as a one-row comparison table, and its curves
-                    compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
-                leave_process_group()
-                return run.model
-        except OSError as e:
-            if e.errno not in WRITE_ERRNOS:
-                raise
-            stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
-                     "free disk space or make the folder writable")
-        except torch.OutOfMemoryError as e:
-            stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
-        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
-            stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
-        except GraderError as e:  # a changed grader does not resume a run (its sha256 is an input): a new one
-            stop_run(run_dir, str(e), "fix the function", resume=False)
-        except RuntimeError as e:
-            if not (dist.is_initialized() and (isinstance(e, dist.DistBackendError) or "/gloo/" in str(e))):
-                raise
-            world_size = dist.get_world_size()
-            other = f"rank {1 - rank}" if world_size == 2 else "another rank"
-            if STOP["received"]:  # signalled too (a terminal's Ctrl-C, a scheduler): the other ended on a second one
-                stop_run(run_dir, f"stopped by {STOP['received']}; {other} ended at once, on a second signal, before "
-                         "this rank reached the step's end", "")
-            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
-                     f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
-                     "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
-                     "longer)")
-
-
-def out_of_memory(args, world_size, trace):
-    """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of the step's functions
-    on its traceback), the sizes that drove that phase's memory, and the flags that lower them."""
-    calls = [frame.name for frame in traceback.extract_tb(trace)]
-    phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
-    rows = args.prompts_per_step // world_size * args.num_samples
-    if phase == "sample_groups":
-        per_call = min(rows, max(args.num_samples, args.sample_batch_size or rows))
-        return (f"out of GPU memory while sampling: {per_call} replies of up to {args.max_new_tokens} new tokens a "
-                f"generate call (--sample-batch-size; this rank's step: {rows} replies), their KV cache and logits",
-                f"lower --sample-batch-size (the same replies, in more calls; at least one group, --num-samples "
-                f"{args.num_samples}), or --max-new-tokens")
-    if phase in ("frozen_logprobs", "policy_update"):
-        what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
-        if args.pack and args.device_batch_size:  # the passes are rows of whole questions: --tokens-per-pass idle
-            return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} packed rows a forward "
-                    f"pass, each a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size "
-                    "(the result is the same, in more passes) or --max-new-tokens")
-        if args.pack:
-            return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
-                    "lower --tokens-per-pass (at least the longest prompt and reply), or give --device-batch-size "
-                    "(rows a pass): the result is the same, in more passes")
-        return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
-                f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
-                "result is the same, in more passes) or --max-new-tokens")
-    if phase == "evaluate":
-        return (f"out of GPU memory in the eval: {EVAL_BATCH} problems a batch, x {max(1, args.pass_k)} replies of up "
-                f"to {args.eval_max_new_tokens} tokens", "lower --pass-k or --eval-max-new-tokens")
-    return ("out of GPU memory outside sampling, log-probs, update and eval: the model, its reference copy and "
-            "optimizer state take too much", "train fewer weights (--lora-rank), keep the reference in bf16 "
-            "(--ref-dtype bfloat16) or use a GPU with more memory")
-
-
-# The functions of a step whose memory an out-of-memory error is reported against (see out_of_memory)
-OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
-
-
-# A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
-# then saves the step under way and stops.
-STOP = {"received": None, "since": 0.0, "at_step_end": False}
-# Under torchrun the same signal again within this many seconds is the same stop: the launcher forwards every signal
-# it gets to its workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice. A
-# process of its own gets each signal once: there a second one, however soon, is a person's second Ctrl-C.
-SIGNAL_REPEAT_SECONDS = 2.0
-
-
-@contextmanager
-def stop_signals():
-    """Ctrl-C, SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run with the one-line stop; one that
-    arrives while a file is written waits until the file is whole (model.writing). During the steps, with
-    --save-on-stop, the first one lets the step under way finish and be saved (stop_at_step_end)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def stop_at_step_end(signum, frame):
-    """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    skipping or abandoning an eval, then stops); a second one, or one outside the steps, stops at once (after a
-    write under way). Under torchrun the same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered
-    twice (by the launcher too), and changes nothing."""
-    name, now = signal.Signals(signum).name, time.monotonic()
-    repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
-    if STOP["received"] == name and now - STOP["since"] < repeat:
-        return
-    first = STOP["at_step_end"] and not STOP["received"]
-    STOP.update(received=name, since=now)
-    if not first:
-        return stop_signal(signum, frame)
-    if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
-        second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
-        os.write(2, f"{name}: the run stops: a step under way is finished and saved first, an eval is left at the end "
-                    f"of its batch for --resume to run ({second} stops it at once)\n".encode())
-
-
 # Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
 MIN_TEMPERATURE = 0.1
 
@@ -1445,781 +2677,7 @@ def setup_problems(args):
 
 
 # -----------------------------------------------------------------------------
-# The memory plan: what each rank will hold, from the model's shapes alone (a model on the meta device), before
-# the checkpoint is read
-
-GiB = 2 ** 30
-
-
-def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False,
-                teacher=None):
-    """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
-    that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
-    (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
-    known (they depend on neither phase). exact_attention: packed passes take the exact path, not flash attention
-    (the CPU, float32): its padded block is counted too. teacher: --teacher's model (shapes), held like the
-    reference."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if optimizer_state is None:
-        owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
-        optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
-    compute_bytes = 2 if dtype == "bfloat16" else 4
-    ref_bytes = 0
-    if args.kl_coef and not args.lora_rank and not args.ref_offload:
-        ref_bytes = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")
-    c = model.config
-    head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
-    rows = sample_batch_rows(args, world_size)
-    kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
-    micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
-    if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
-        tokens = micro_rows * (length - 1)
-        activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens, args))
-    elif args.pack:
-        activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass, args))
-    else:
-        activations = (f"update: activations of {micro_rows} rows (estimate)",
-                       pass_activations(c, micro_rows * length, args))
-    exact = {} if not (args.pack and exact_attention) else {
-        "update: exact attention's padded rows (bound)": exact_attention_bytes(
-            c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
-    return {
-        "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
-        "optimizer state per rank": optimizer_state,
-        "reference model": ref_bytes,
-        **({"teacher model": frozen_bytes(teacher, dtype == "bfloat16")} if teacher is not None
-           and not args.teacher_offload else {}),
-        # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
-        # through a generate call
-        "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
-            m, torch.nn.Linear)) if compute_bytes == 2 else 0,
-        f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
-        + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
-        "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        MUON_STEP: muon_step_bytes(model, args),
-        activations[0]: activations[1],
-        **exact,
-        # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
-        # token of the rank's step, taken before the update and kept through it
-        **({"update: the teacher's top-k of the step's reply tokens": args.prompts_per_step // world_size
-            * args.num_samples * args.max_new_tokens * (12 * min(args.distill_top_k, c.vocab_size) + 4)}
-           if teacher is not None and args.distill_divergence == "forward" else {}),
-    }
-
-
-MUON_STEP = "update: Muon's step, stacks of its matrices (bound)"
-
-
-def muon_step_bytes(model, args):
-    """Bytes Muon's step holds beside the gradients, at most: 9.25 float32 copies of its largest stack at the peak
-    (the update, momentum, NorMuon's terms and the measurement's copy: `python tests/bench_memory.py --muon`), counted
-    as 10. The activations are gone by then: a bound."""
-    if args.optimizer != "muon" or args.lora_rank:
-        return 0
-    return 10 * max(len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
-
-
-def frozen_bytes(net, bf16_matrices):
-    """Bytes of a model that does not train (frozen): its matrices in bf16 when bf16_matrices, the rest float32."""
-    linear = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Linear)}
-    return sum(p.numel() * (2 if bf16_matrices and id(p) in linear else 4) for p in net.parameters())
-
-
-def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
-    """Bytes of the exact path of packed attention (model.packed_attention off flash attention): a pass's rows
-    gathered into a block of [rows, longest row], queries, keys, values and the output kept for the backward in
-    every layer. Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's static shape), or at
-    most one per token of the budget."""
-    most = minibatch_rows(args, world_size)
-    rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
-        most, tokens_per_pass)
-    head_dim = c.n_embd // c.n_head
-    return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
-
-
-def pass_activations(c, tokens, args):
-    """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
-    bytes per token, layer and unit of width eager, ~48 compiled (inductor keeps fewer intermediates), and the
-    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
-    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived, on an H200 at d20 under bf16 autocast
-    (the residual stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an
-    all-16-bit block): 75-76 eager, the plan within 4% of torch's allocated peak; compiled, 46.7 from the peaks of
-    two pass sizes (32,768 and 65,664 tokens), the plan 2-3% over those peaks; the head's chunk, 24.0-24.4 and
-    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32, and 8 more with the forward KL's gather
-    (`python tests/bench_memory.py --head`; docs/performance.md)."""
-    head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
-    head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
-    if args.distill_coef and args.distill_divergence == "forward":  # the teacher's top-k gathered from the student's
-        head_bytes += 8  # log-probs, and the rest's log-mass (a masked [N, V] copy): 24.2 measured, 16.2 without
-    return tokens * c.n_layer * (48 if args.compile else 76) * c.n_embd + head_positions * c.vocab_size * head_bytes
-
-
-def size(n):
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
-
-
-def phase_bytes(plan, phase=None):
-    """The plan's bytes of one phase ("sampling", "update"), or with None of what stays all run."""
-    return sum(v for k, v in plan.items() if (k.split(":")[0] == phase if phase else ":" not in k))
-
-
-def plan_peak(plan):
-    """What stays, plus the larger of the two phases."""
-    return phase_bytes(plan) + max(phase_bytes(plan, "sampling"), phase_bytes(plan, "update"))
-
-
-def planned_optimizer_state(model, args, owners, world_size):
-    """-> bytes of optimizer state on each rank: the optimizers built on the meta-device model and stepped once on
-    zero gradients, so that every piece of state is counted as they allocate it."""
-    optimizers = make_optimizers(model, args)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for opt in optimizers:
-        opt.step()
-    for p in params:
-        p.grad = None
-    per_rank = [0] * world_size
-    for opt in optimizers:
-        for p, entry in opt.state.items():
-            for rank in [owners[id(p)]] if owners else range(world_size):
-                per_rank[rank] += state_bytes(entry)
-    return per_rank
-
-
-def sample_batch_rows(args, world_size):
-    """Replies a generate call samples: --sample-batch-size in whole groups, at most this rank's step."""
-    rows = args.prompts_per_step // world_size * args.num_samples
-    G = args.num_samples
-    return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
-
-
-def minibatch_rows(args, world_size):
-    """Rows of this rank's share of a minibatch (at most: the shares differ by one where they do not divide)."""
-    return -(-args.prompts_per_step // world_size * args.num_samples // args.num_minibatches)
-
-
-def free_memory(device):
-    """Bytes this process may use: the GPU's free memory, or its share of the machine's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks of a machine share it
-
-
-def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher=None):
-    """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
-    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
-    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
-    Off a GPU, --ref-offload and --teacher-offload keep the model where it is: counted."""
-    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False, teacher_offload=False))
-    longest_row = longest_prompt + args.max_new_tokens - 1
-    exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
-    smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
-                                                         device_batch_size=1, tokens_per_pass=longest_row)),
-                           world_size, longest_prompt, dtype, exact_attention=exact, teacher=teacher)
-    if args.sample_batch_size is None and gpu:
-        per_reply = phase_bytes(smallest, "sampling") / args.num_samples
-        args.sample_batch_size = max(args.num_samples, int((0.9 * free - phase_bytes(smallest)) // per_reply))
-    room = 0.9 * free - phase_bytes(smallest) - smallest["update: gradients (float32)"] - smallest[MUON_STEP]
-    rows = args.prompts_per_step // world_size * args.num_samples
-    if args.device_batch_size is None and not args.pack:
-        per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
-        args.device_batch_size = max(1, min(rows, int(room // per_row)))
-    if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
-        # at most the rank's whole step
-        compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, args) + (exact_attention_bytes(
-                    model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
-        args.tokens_per_pass = max([longest_row] + fits[-1:])
-    planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
-                                     sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
-    return memory_plan(model, planned, world_size, longest_prompt, dtype, smallest["optimizer state per rank"],
-                       exact, teacher), smallest
-
-
-def plan_memory(args, world_size, device, dtype, task, log):
-    """Print the memory plan (rank 0), pick the sampling chunk on a GPU, and stop with one line when even the
-    smallest chunks cannot fit: before the checkpoint is read."""
-    model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
-    if args.lora_rank:
-        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
-    teacher = load_teacher(args, tokenizer, lambda *a: None, shapes_only=True)[0] if args.distill_coef > 0 else None
-    longest_prompt = task.longest_prompt(tokenizer)
-    free = free_memory(device)
-    gpu = device.type == "cuda"
-    for flag, what in (("ref", "reference"), ("teacher", "teacher")):
-        if getattr(args, f"{flag}_offload") and not gpu:
-            log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
-    plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher)
-    longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
-    if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
-        sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
-                 f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
-                 f"raise it to at least {longest_row}, or lower --max-new-tokens")
-    if plan_peak(smallest) > free:
-        remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
-            "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
-            ["--ref-offload"] if smallest["reference model"] else []) + (
-            ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
-        sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
-                 f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
-    where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
-                                                    if world_size > 1 and args.shard_optimizer else "") + (
-        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack and not args.device_batch_size
-        else f"; --device-batch-size {args.device_batch_size}")
-    log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
-        f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
-    if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
-        kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
-                           dtype, plan["optimizer state per rank"])["reference model"]
-        log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
-            f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
-    if plan_peak(plan) > free:
-        rows_flag = "--tokens-per-pass" if args.pack and not args.device_batch_size else "--device-batch-size"
-        log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
-            f"--sample-batch-size or {rows_flag} if the run runs out of memory")
-    return longest_prompt
-
-
-@contextmanager
-def on_device(module, device, offload):
-    """--ref-offload, --teacher-offload: a module whose weights wait in CPU memory, on the device for the duration of
-    the block. Its weights do not change there, so nothing is copied back: they point to their CPU copies again."""
-    if not offload or device.type == "cpu":
-        yield
-        return
-    kept = [p.data for p in module.parameters()]
-    for p in module.parameters():
-        p.data = p.data.to(device, non_blocking=True)
-    try:
-        yield
-    finally:
-        for p, cpu in zip(module.parameters(), kept):
-            p.data = cpu
-
-
-# -----------------------------------------------------------------------------
-# Setting a run up: processes and devices, tasks, the start policy, its reference and optimizers, the run folder
-
-def start_run(args, run_dir, rank, writes):
-    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
-    False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
-    evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
-    world_size, device, master, log, dtype, autocast = start_process(args, rank)
-    train_task, test_task, watched = read_tasks(args)
-    if args.distill_coef > 0 and not evaluating:
-        teacher_checkpoint(args)
-    # after the inputs: a wrong path or --teacher says so whatever the run folder holds
-    if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
-    config = {k: v for k, v in vars(args).items()
-              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
-    config.update(world_size=world_size, version=VERSION)
-    setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
-    setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
-    for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
-        setup_log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl")
-                                                                         else " (its test split)"))
-    static_pack = None
-    if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
-        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
-        for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
-            config[k] = getattr(args, k)  # the run folder says what ran
-        # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as
-        # a minibatch holds
-        if args.compile and args.pack:
-            static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
-    model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
-                                                                        setup_log, evaluating)
-    teacher = teacher_digest = None
-    if args.distill_coef > 0 and not evaluating:
-        teacher, teacher_digest = load_teacher(args, tokenizer, log)
-        teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
-                         args.teacher_offload and device.type == "cuda")
-        teacher.use_compile = args.compile
-    record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest)
-    run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
-                          train_task=train_task, test_task=test_task, watched=watched, model=model,
-                          tokenizer=tokenizer,
-                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners,
-                          config=config, static_pack=static_pack,
-                          run_dir=run_dir, tag=tag,
-                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0, start_evaluated=False,
-                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
-    if args.resume:
-        run.start_step = resume(args, run)
-        setup_log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
-    if args.self_check if args.self_check is not None else device.type == "cuda":
-        self_check(args, run)  # before anything is written: a fast path that is wrong stops the run here
-    # after the configuration, the plan and the self-check: the last lines before the steps (--ask's: after its first)
-    for note in args.notes if not args.ask else ():
-        log(f"note: {note}")
-    if args.eval_only:
-        log(f"--eval-only: {evaluation_settings(args)}")
-    wall_before = write_run_files(args, run) if writes else 0.0
-    run.wall_start = time.time() - wall_before
-    run.wandb = None
-    if args.wandb and master and writes:
-        import wandb
-        run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
-    return run
-
-
-def start_process(args, rank):
-    """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
-    prints), dtype, autocast)."""
-    # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=args.dist_timeout)  # a rank that hangs stops the others after this long
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    threads = thread_policy(args, device, world_size)
-    if not args.ask:  # its answer comes first
-        log(threads)
-    if args.compile is None:  # a compile costs a minute or more: worth it on a GPU, not for the CPU's small runs
-        args.compile = device.type == "cuda"
-    # Mixed precision is autocast on CPU and GPU alike: matmuls in bf16, weights and optimizer state in float32.
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    torch.manual_seed(args.seed)
-    return world_size, device, master, log, dtype, autocast
-
-
-def read_tasks(args):
-    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data,
-    before the configuration is printed. Sets --num-steps where it waited for the data (one epoch)."""
-    try:  # what can fail on bad input, before the configuration is printed: the tasks' data, the start checkpoint
-        train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
-        watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
-    except (OSError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
-    start_checkpoint_dir(args)
-    if args.num_steps is None:  # the task's default needed its data: one epoch
-        args.num_steps = max(1, len(train_task) // args.prompts_per_step)
-        if args.warmup_steps >= args.num_steps:
-            parser.error(f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (one epoch of "
-                         f"{args.task}: {args.num_steps} steps)")
-    if args.prompts_per_step > len(train_task) and not (args.ask or args.eval_only):  # a step's, not a question's
-        sys.exit(f"error: --prompts-per-step {args.prompts_per_step} is more than the {len(train_task)} questions of "
-                 "the train split: a step would hold a question twice; lower it (--num-samples sets the replies each)")
-    return train_task, test_task, watched
-
-
-def build_models(args, config, world_size, device, dtype, log, evaluating=False):
-    """The start policy on the device, its optimizers (and each weight's owning rank when sharded) and the reference
-    -> (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone (no optimizers, no
-    reference)."""
-    model, tokenizer, tag = load_policy(args, log)
-    model.to(device)
-    model.use_compile = args.compile  # the reference, a copy of the model, inherits it
-    if args.lora_rank:  # before the optimizers: the adapters are the only weights that train
-        model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
-    if args.optimizer == "muon" and not args.lora_rank:  # recorded, so that a resume steps with the same one
-        args.optimizer_version = config["optimizer_version"] = optimizer_version(model, args)
-        recorded = " (the start checkpoint's, as its meta records)" if getattr(
-            model, "trained_optimizer", None) == args.optimizer_version else ""
-        if not evaluating:
-            log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} "
-                "(docs/optimizers.md)")
-    if evaluating:
-        return model, tokenizer, tag, [], None, None
-    optimizers = make_optimizers(model, args)
-    owners = None
-    if args.shard_optimizer and world_size > 1:
-        owners = shard_owners([p for p in model.parameters() if p.requires_grad], world_size)
-        log(f"optimizer state sharded over the {world_size} ranks, each weight's on one (--no-shard-optimizer: on all)")
-    if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
-        parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
-    if args.kl_coef == 0:
-        ref_model = None  # no KL term, no reference
-    elif args.lora_rank:
-        ref_model = model  # the base model: the policy with its adapters switched off, no second copy
-    else:
-        ref_model = frozen(copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16",
-                           args.ref_offload and device.type == "cuda")
-    return model, tokenizer, tag, optimizers, owners, ref_model
-
-
-def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
-    """config.json's "inputs" (sha256 of what the run depends on besides its flags, checked on --resume) and
-    "scores" (what --compare ranks by)."""
-    config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
-                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
-    if teacher_digest is not None:
-        config["inputs"]["teacher"] = teacher_digest
-    config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
-    own_grader = [args.grader] if args.grader not in GRADERS else []
-    for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
-        code = code_fingerprint(spec)
-        if code:
-            config.setdefault("task_code", {})[spec] = code
-            config["inputs"][f"code:{spec}"] = code["sha256"]
-    for name, task in watched.items():
-        config["inputs"][f"watched:{name}"] = task.fingerprint()
-
-
-# The self-check's bound: a fast path may be at most this many times as far from the float32 plain path as the
-# run's plain path is (rounding of the run's dtype), plus SELF_CHECK_FLOOR (a float32 run's own rounding).
-SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
-
-
-def self_check(args, run, questions=4, new_tokens=16):
-    """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
-    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), the
-    rows made to end at staggered steps (staggered_ends: the static decode halves its batch and runs each smaller
-    batch's step, captured on a GPU; the dynamic one drops rows), then their log-probs and the gradient of the
-    update's loss (fixed random advantages; a teacher's term too) through the update's own pass (micro_batch_loss:
-    packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows, eager), each
-    measured against the plain path in float32; the sampler's own log-probs likewise; with a teacher, its own
-    forward and the forward KL at its top-k (the student's gather) likewise (self_check_paths). The check's batch
-    is its own (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's
-    flags. A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs
-    whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
-    restores them after. Prints one line; a path beyond the bound stops every rank with one line naming it and the
-    flag that avoids it."""
-    start, model = time.time(), run.model
-    check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
-                                   drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
-                                   advantage="mean", kl_coef=0.0, rollout_correction="off",
-                                   distill_coef=args.distill_coef if run.teacher is not None else 0.0))
-    G = check.num_samples  # the check's own replies a question, whatever the run's
-    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions,
-                                                                                         len(run.train_task)))]
-    try:
-        with noisy_projections(model, args.seed) as zero:
-            with run.autocast:
-                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, G, min(
-                    new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
-            results = self_check_paths(args, run, check, prompts, samples)
-    finally:
-        for net in [model] + ([run.teacher] if run.teacher is not None else []):
-            net.use_compile = args.compile
-    checks = self_check_distances(results, SELF_CHECKED)
-    checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
-    measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
-    self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
-
-
-SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
-
-
-def self_check_paths(args, run, check, prompts, samples):
-    """The check's replies through each path: the run's own ("fast"), the plain one ("plain": padded rows, eager)
-    and the plain one in float32 -> {path: dict(logprobs: of the sampled tokens [N, T]; grads: of the loss, flat;
-    sampler: the sampler's log-probs [N, T]; teacher: the teacher's own forward at the loss positions, its top-k
-    log-probs and the rest's [N, T, k + 1] (in descending order: near-ties may swap, the values do not) or its
-    log-probs of the tokens [N, T]; kl: the forward KL at the teacher's top-k [N, T])}, the last two empty without
-    them. Every path's student takes the fast path's teacher (its ids laid out for each pass), so that the student's
-    gather is compared at the same tokens and the teacher's forward on its own."""
-    model, teacher, G = run.model, run.teacher, check.num_samples
-    rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
-    plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
-    paths = {"fast": (check, run.autocast), "plain": (plain, run.autocast), "float32": (plain, nullcontext())}
-    params = [p for p in model.parameters() if p.requires_grad]
-    advantages = torch.randn(rows, 1, generator=torch.Generator().manual_seed(args.seed)).to(run.device)
-    forward = teacher is not None and check.distill_divergence == "forward"
-    results, taught = {}, None  # taught: the fast path's teacher, its tensors in the rows' layout [N, T, ...]
-    for name, (path_args, autocast) in paths.items():
-        batch = to_device(make_batch(prompts, samples, torch.zeros(len(prompts), G), path_args,
-                                     run.static_pack if path_args.pack else None), run.device)
-        micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
-        for net in nets:
-            net.use_compile = args.compile and name == "fast"
-        terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
-        own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
-        if name == "fast":
-            taught = own
-        logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
-        loss = 0.0
-        for i, mb in enumerate(micro_batches):
-            term = terms[i] if name == "fast" or teacher is None else term_for(taught, mb)
-            with autocast:
-                mb_loss, parts, mb_logprobs = micro_batch_loss(model, mb, None, None, term, advantages[mb["rows"]],
-                                                               mask.sum(), path_args)
-            loss = loss + mb_loss
-            logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
-            if forward:
-                kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
-        grads = torch.autograd.grad(loss, params)
-        values = mask.new_zeros(0)
-        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
-            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
-            values = values * mask[..., None]
-        results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
-                             sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
-                             kl=kl if forward else mask.new_zeros(0))
-    return results
-
-
-def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
-    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms): with
-    --distill-divergence forward its top-k ids in the pass's layout and their log-probs and the rest's in the rows',
-    else its log-probs of the tokens; through this path (packed or not, compiled or not: args, teacher.use_compile).
-    float32: a teacher stored with bf16 matrices (frozen) computes in float32 for the while, its matrices upcast
-    (exactly) and rounded back to the same bits after."""
-    if teacher is None:
-        return [None] * len(micro_batches)
-    with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
-        if args.distill_divergence == "forward":
-            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-        return frozen_logprobs(teacher, micro_batches, args, nullcontext())
-
-
-def terms_in_rows(terms, micro_batches):
-    """Each micro-batch's teacher term as tensors in the rows' layout [R, width, ...]: (ids, top-k log-probs, the
-    rest's log-prob or None), or (log-probs,); none without a teacher."""
-    if terms[0] is None:
-        return []
-    if isinstance(terms[0], dict):
-        return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
-    return [(t,) for t in terms]
-
-
-def term_for(taught, mb):
-    """The teacher's term (taught: its tensors in the rows' layout, terms_in_rows' order, [N, T, ...]) for a micro-batch
-    of padded rows, whose pass's layout is the rows'."""
-    part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
-    return part[0] if len(part) == 1 else {"ids": part[0], "logprobs": (part[1], part[2])}
-
-
-def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
-    """Each path's distance against its bound (measured: what -> [fast, plain] distances from the float32 path;
-    decode: the sampler's): one line, or the run stops on the first path beyond its bound."""
-    bounds = {key: SELF_CHECK_FACTOR * plain + SELF_CHECK_FLOOR for key, (_, plain) in measured.items()}
-    fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
-                  else "padded rows") + (", compiled" if args.compile else ""))
-    fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
-    decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
-    # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
-    decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
-    compiled = ", compiled" if args.compile and decode_flag else ""
-    decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
-    (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
-        measured[key] for key in SELF_CHECKED)
-    failed = [(what, value, bound, rounding, flag) for what, value, bound, rounding, flag in (
-        (f"{fast_path}: log-probs", fast_lp, bounds["logprobs"], plain_lp, fast_flag),
-        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, bounds["kl"],
-         plain_kl, fast_flag),
-        (f"{fast_path}: the gradient", fast_grad, bounds["grads"], plain_grad, fast_flag),
-        (f"{decode_path}: its log-probs", decode, bounds["logprobs"] + plain_lp, plain_lp, decode_flag),
-        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, bounds["teacher"], plain_teacher,
-         fast_flag),
-    ) if not value <= bound]
-    if failed:
-        what, value, bound, rounding, flag = failed[0]
-        remedy = f"run with {flag} (and report it)" if flag else "report it"
-        sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
-                 f"run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
-                 "--no-self-check to train anyway")
-    taught = "" if run.teacher is None else (
-        f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
-            f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
-    steps = sorted({end for end in ends if end >= 0})
-    ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
-    run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
-            f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
-            f"{len(ends)} rows" + (
-                f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
-                else "") + f"; {seconds:.1f}s")
-
-
-def load_policy(args, log, shapes_only=False):
-    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>. shapes_only: the model on
-    the meta device, without reading its weights."""
-    if args.init == "scratch":
-        tokenizer = Tokenizer.byte_level()
-        config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
-                           n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
-        if shapes_only:
-            with torch.device("meta"):
-                return GPT(config), tokenizer, f"d{args.depth}"
-        model = GPT(config).init_weights(args.seed)
-        model.start_step = 0
-        return model, tokenizer, f"d{args.depth}"
-    checkpoint_dir = start_checkpoint_dir(args)
-    try:
-        model, meta = load_checkpoint(checkpoint_dir, args.init_step, generation=args.generation,
-                                      window_pattern=args.window_pattern, log=log, shapes_only=shapes_only)
-        tokenizer = Tokenizer.from_file(tokenizer_path(checkpoint_dir))
-    except CheckpointFileError as e:
-        unusable_checkpoint("--init", e, loadable_steps(checkpoint_dir))
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
-    model.start_step = meta.get("step", 0) if isinstance(meta, dict) else 0  # what --eval-only's line names
-    trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
-    model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
-    return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
-
-
-def start_checkpoint_dir(args):
-    """--init sft | <checkpoint dir> -> the folder to start from (None for scratch); one error line if there is none."""
-    if args.init == "scratch":
-        return None
-    if args.init != "sft":
-        folder = checkpoint_folder(args.init)
-        if not checkpoint_steps(folder):
-            sys.exit(f"error: --init: no model_<step>.pt files in {os.path.abspath(args.init)}: name a nanochat "
-                     "checkpoint folder (e.g. <base>/chatsft_checkpoints/d20) or a run folder of grpo.py, or use "
-                     "--init sft")
-        return folder
-    try:
-        return find_checkpoint(tag=args.model_tag)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}; train a chat model with nanochat first, or try the CPU demo: python grpo.py --demo")
-
-
-def frozen(net, bf16_matrices, offload):
-    """A model that does not train (the reference, the teacher) -> it, without gradients. bf16_matrices: under bf16
-    autocast every matmul casts its weight to bf16 anyway, so stored so its matrices take half the memory and give
-    the same numbers (embeddings, gains and gates stay float32: no matmul). offload: in pinned CPU memory, a fast
-    copy to the GPU for each use (on_device)."""
-    net.requires_grad_(False).eval()
-    if bf16_matrices:
-        for module in net.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.to(torch.bfloat16)
-    if offload:
-        for p in net.parameters():
-            p.data = p.data.cpu().pin_memory()
-    return net
-
-
-def teacher_checkpoint(args):
-    """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
-    folder, the step); one error line when there is none."""
-    folder = checkpoint_folder(args.teacher)
-    complete = loadable_steps(folder)
-    if not complete:
-        sys.exit(f"error: --teacher: no model_<step>.pt with its meta_<step>.json in {os.path.abspath(args.teacher)}: "
-                 "name a nanochat checkpoint folder (e.g. <base>/chatsft_checkpoints/d32) or a run folder of grpo.py")
-    step = complete[-1] if args.teacher_step is None else args.teacher_step
-    if step not in checkpoint_steps(folder):  # one without its meta: load_checkpoint's line, as a damaged step's
-        sys.exit(f"error: --teacher-step {step}: {folder} holds steps {complete}")
-    return folder, step
-
-
-def load_teacher(args, tokenizer, log, shapes_only=False):
-    """--teacher, in float32 on the CPU (shapes_only: on the meta device) -> (model, fingerprint for --resume: the
-    sha256 of its meta file, its model file's size and first and last MiB). It must read text as the policy does:
-    its log-probs are over its own token ids."""
-    folder, step = teacher_checkpoint(args)
-    try:
-        teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
-        teacher_tokenizer = Tokenizer.from_file(tokenizer_path(folder))
-    except CheckpointFileError as e:
-        unusable_checkpoint("--teacher", e, loadable_steps(folder))
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: --teacher: {e}")
-    reads = [(t.enc._pat_str, t.enc._mergeable_ranks, t.enc._special_tokens) for t in (tokenizer, teacher_tokenizer)]
-    if reads[0] != reads[1]:
-        policy_file = tokenizer_path(start_checkpoint_dir(args)) if args.init != "scratch" else \
-            "the byte-level one of --init scratch"
-        sys.exit(f"error: --teacher's tokenizer ({tokenizer_path(folder)}) is not the policy's ({policy_file}): "
-                 "distillation compares the two models' log-probs of the same token ids; pick a teacher trained "
-                 "with the policy's tokenizer")
-    digest = hashlib.sha256()
-    model_path = os.path.join(folder, f"model_{step:06d}.pt")
-    with open(os.path.join(folder, f"meta_{step:06d}.json"), "rb") as meta, open(model_path, "rb") as weights:
-        digest.update(meta.read())
-        size = os.fstat(weights.fileno()).st_size
-        digest.update(str(size).encode() + weights.read(2 ** 20))
-        weights.seek(max(0, size - 2 ** 20))
-        digest.update(weights.read())
-    log(f"teacher: {folder}, step {step}, {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M parameters")
-    return teacher, digest.hexdigest()
-
-
-def unusable_checkpoint(flag, error, steps):
-    """Exit with one line for a checkpoint file that cannot be used, damaged or a meta file missing (the
-    CheckpointFileError names it and what is wrong), and how to go on: from another step of its folder (steps:
-    loadable_steps; for --resume, those with training state), or from another checkpoint. The one place a damaged
-    file becomes a message, for --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint
-    through one of these)."""
-    folder, name = os.path.split(error.path)
-    step = int(re.search(r"_(\d+)\.", name).group(1))
-    others = [s for s in steps if s != step]
-    listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
-    if not others:
-        instead = ("no other step of the run has its training state" if flag == "--resume" else
-                   f"no other step in {folder} has its model and meta files: copy that file again from where it "
-                   "came")
-    else:
-        other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
-        whole = f"the steps with model and meta files: {listed}"
-        instead = {"--init": f"start from step {other} instead (--init-step {other}; {whole})",
-                   "--teacher": f"use its step {other} instead (--teacher-step {other}; {whole})",
-                   "--resume": f"move step {step}'s model, meta and state files out of the folder to resume from step "
-                               f"{other} (the steps with training state: {listed})"}[flag]
-    elsewhere = {"--init": "start from another checkpoint with --init", "--teacher": "name another --teacher",
-                 "--resume": "start a new run from a checkpoint with --init"}[flag]
-    sys.exit(f"error: {flag}: {error}; {instead}, or {elsewhere}")
-
-
-# -----------------------------------------------------------------------------
-# CPU threads (see OPENMP_SPIN at the top for how long a waiting thread spins)
-
-def thread_policy(args, device, world_size):
-    """Set this process's CPU threads for the run -> the line that says how many and why. The count is fixed for
-    the whole run: a reduction's last bits may depend on it, and the same seed on the same machine is the same run."""
-    if device.type != "cpu":
-        return f"threads: {torch.get_num_threads()} on the host (the work is on {device.type})"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        why = "--threads"
-    elif "OMP_NUM_THREADS" in os.environ:
-        why = "OMP_NUM_THREADS"
-    elif world_size > 1:  # as torchrun sets it: the ranks share the cores
-        torch.set_num_threads(1)
-        why = "one per rank, as torchrun's"
-    else:
-        why = "torch's default, one per core"
-    spin = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else
-            f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
-    return f"threads: {torch.get_num_threads()} ({why}; {spin}; --threads N sets it)"
-
-
-# -----------------------------------------------------------------------------
-# The learning rates' schedule
-
-def lr_multiplier(step, args):
-    """The learning rates' multiplier at this step (0-based): a linear warmup over --warmup-steps, then the schedule
-    from 1 down to --min-lr-frac at --num-steps. With the defaults, nanochat's linear decay: 1 - step / num_steps."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / (args.num_steps - args.warmup_steps)  # 0 at the end of warmup
-    decay = {"linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)), "constant": 1.0}
-    return args.min_lr_frac + (1 - args.min_lr_frac) * decay[args.lr_schedule]
-
-
-def set_learning_rates(optimizers, step, args):
-    multiplier = lr_multiplier(step, args)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
-    return multiplier
-
-
-# -----------------------------------------------------------------------------
-# The run folder: one process at a time, config and metrics, checkpoints, resume, the one-line stops
-
-# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-
+# The run folder: one process at a time, its files, checkpoints and --resume
 
 @contextmanager
 def lock_run_dir(run_dir):
@@ -2244,35 +2702,6 @@ def lock_run_dir(run_dir):
         finally:  # a start that failed before writing anything (a bad flag value, a missing run): no folder left
             if created and os.path.isdir(run_dir) and os.listdir(run_dir) == [".lock"]:
                 shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def stop_run(run_dir, problem, remedy, resume=True):
-    """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
-    False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
-    first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
-    not know whether one is being written, and names none."""
-    rank = os.environ.get("RANK", "0")
-    if rank != "0":
-        sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
-                 "checkpoint to go on from)")
-    found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
-                   for s in complete_steps(d))
-    then = f"{remedy}, then " if remedy else ""
-    if found:
-        step, checkpoint_dir = found[-1]
-        sys.exit(f"error: {problem}. The run's newest checkpoint, step {step} in {checkpoint_dir}, is complete and "
-                 "unchanged: " + (f"{then}go on from it with --resume" if resume else f"{then}start a new run from it "
-                                   f"(--init {checkpoint_dir}, another --run-name): --resume refuses changed inputs"))
-    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        sys.exit(f"error: {problem}. Nothing of this run was written yet: {then}run the command again")
-    if not resume and discard_unstarted(run_dir):
-        sys.exit(f"error: {problem}. The run stopped before its first step, and its files are removed: {then}run the "
-                 "command again")
-    if not resume:
-        sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}run the command again with another "
-                 "--run-name (--resume refuses changed inputs)")
-    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
-             "same command and --resume")
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tokenizer", "evals", ".lock")  # before any step
@@ -2328,190 +2757,11 @@ def write_run_files(args, run):
     return max((m["wall_time"] for m in kept[run.metrics_path] if "wall_time" in m), default=0.0)
 
 
-def record(run, metrics):
-    if run.master and run.writes:
-        with writing(), open(run.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if run.wandb:
-            run.wandb.log(metrics, step=metrics["step"])
-
-
-SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "length", "truncated"]
-
-
-def log_samples(args, run, step, groups, batch):
-    """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
-    reply side by side (one reply of a group whose rewards are equal), groups whose rewards differ first (they are
-    the ones the update learns from)."""
-    if not (run.master and run.writes and args.log_samples):
-        return
-    G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
-    equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
-    order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
-    rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
-            for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
-    table, episodes = [], []
-    for row in rows:
-        index = int(groups["indices"][row // G])
-        conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
-        table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
-                      advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
-        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
-    with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
-                     for values, episode in zip(table, episodes))
-    if run.wandb:
-        run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
-
-
-SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
-# One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
-# stay within a few percent per step (see docs/reliability.md, "When things go wrong"); a step size that is orders
-# of magnitude off multiplies the norm by far more.
-WEIGHT_NORM_WARNING = 2.0
-
-
-def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
-    """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
-    if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
-        stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
-    samples = groups["samples"]
-    # the policy's own rewards: of every group it sampled, also those dynamic sampling left out ("drawn")
-    drawn = groups.get("drawn", groups)
-    names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
-    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
-                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
-                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
-                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
-                 equal_groups_kept=batch["equal_groups"].sum(),
-                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
-                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
-                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
-    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
-    local.update(episodes)
-    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
-                                                   device=run.device)).tolist()))  # over all ranks
-    weights_finite = stats.pop("weights_finite")
-    metrics = {"step": step + 1, "reward": sums["reward"] / sums["replies"],
-               "reward_group_std": sums["reward_group_std"] / sums["groups"],
-               "equal_group_frac": sums["equal_groups"] / sums["groups"],
-               **{name: sums[name] / sums["replies"] for name in names}, **stats,
-               **({"reward_kept": sums["reward_kept"] / sums["kept_replies"],
-                   "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups
-                  else {}),  # dynamic sampling: what the update saw, the groups it kept
-               "reply_len": sums["tokens"] / sums["kept_replies"],
-               "truncated_frac": sums["truncated"] / sums["kept_replies"],
-               "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
-               **{name: sums[name] / sums["kept_replies"] for name in episodes},  # episodes: turns, how they ended
-               "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
-               "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
-               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
-               "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
-                                                             dtype=torch.float64, device=run.device),
-                                                dist.ReduceOp.MAX).item(),  # the largest rank's
-               "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
-                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-               "wall_time": time.time() - run.wall_start}
-    record(run, metrics)
-    log_samples(args, run, step, groups, batch)
-    run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
-            f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
-            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
-            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
-            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
-            + (f" | turns {metrics['episode_turns']:.2f}" if episodes else "")
-            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
-              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
-              f"| {metrics['tokens_per_s']:.0f} tok/s")
-    # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
-    # (A teacher teaches in equal groups too.)
-    run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
-    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
-        run.signal_less_steps = math.inf
-        run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
-                f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
-                "from. What usually helps: an easier task or a curriculum, a grader that gives partial credit, a start "
-                "checkpoint that already solves some problems, a teacher (--distill-coef, --teacher), more replies a "
-                "question (--num-samples) or a warmer --temperature (docs/tasks.md)")
-    run.bad_steps = run.bad_steps + 1 if stats["skipped_updates"] else 0
-    if stats["skipped_updates"]:
-        run.log(f"warning: step {step + 1}: non-finite loss, {stats['skipped_updates']} update(s) skipped")
-    if stats["weight_norm_factor"] > WEIGHT_NORM_WARNING:
-        run.log(f"warning: step {step + 1}: one update changed the weights' norm by a factor "
-                f"{stats['weight_norm_factor']:.3g} (update/weight ratio {stats['update_ratio']:.3g}); the step sizes "
-                f"are probably far too large (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, "
-                f"--lora-lr)")
-    if not weights_finite or run.bad_steps >= args.max_bad_steps:
-        problem = ("the update made weights non-finite (NaN or inf)" if not weights_finite
-                   else f"{run.bad_steps} steps in a row had a non-finite loss")
-        stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
-                 "lower the learning rates or set --grad-clip (a resumed run may change those)")
-    last = step + 1 == args.num_steps
-    stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
-    evaluated = True  # the step's eval, when due, ran to its end
-    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-        # A stop saves first: an eval (minutes on a GPU) would outlast a launcher's grace period and lose the step.
-        # --resume runs the eval it skipped (first_eval).
-        if stopping:
-            run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
-        evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
-                                              args.eval_examples) is not None
-        stopping = not evaluated  # a stop signal during the eval abandoned it
-    due = (args.save_every and (step + 1) % args.save_every == 0) or last
-    if not run.bad_steps and (due or stopping):
-        optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
-        if run.master:
-            save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
-                                run.config, args.keep_states)
-        # Every rank waits for rank 0's write: a launcher ends the job's other processes once one of them has
-        # ended (torchrun: SIGTERM, then SIGKILL 30 s later), and a rank that stopped early would start that clock
-        # while the checkpoint is still being written.
-        requested = stop_requested(run)  # the barrier; and a stop that came during the save
-        stopping = stopping or (STOP["at_step_end"] and requested)
-    if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
-        raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
-
-
-def stop_requested(run):
-    """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
-    return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
-
-
-def stop_name():
-    return STOP["received"] or "a stop signal on another rank"
-
-
-def first_eval(args, run):
-    """The eval of the step a run starts at (eval_every due there, or the last step's): step 0's, and on --resume one
-    that a stop skipped (end_of_step saves first). Rank 0 read the metrics: every rank follows its answer."""
-    final = run.start_step == args.num_steps
-    if not args.eval_every or (run.start_step % args.eval_every and not final) or all_reduce(
-            torch.tensor(float(run.start_evaluated)), dist.ReduceOp.MAX).item():
-        return
-    if run_eval(args, run, run.start_step, args.final_eval_examples if final else args.eval_examples) is None:
-        raise KeyboardInterrupt(f"{stop_name()} during the eval of step {run.start_step}")
-
-
-def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, config, keep_states):
-    checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
-    with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
-        # the resume state first, the model after: a step counts as saved once its model file exists
-        atomic_save({"step": step, "optimizers": optimizer_states,
-                     "master_weights": master_weights(model),
-                     "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
-                    os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
-        save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
-        # Only now that this step is complete may older states go (optimizer state, master weights and reference
-        # are several times the model's size); every model file stays, so nanochat can load any saved step.
-        if keep_states:
-            for old in complete_steps(checkpoint_dir)[:-keep_states]:
-                os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
-
-
 # What a run's config.json calls the program's version: a change in what the flags do, or in what a run folder
 # holds, gives it a new number, and --resume refuses a run of another (its steps would not be the ones it began).
 VERSION = 2
+
+
 # The files a run depends on besides its flags, recorded as config.json's "inputs" (sha256) and checked on --resume.
 INPUTS = {"train": "train data ({})", "test": "test data ({})", "tokenizer": "tokenizer (tokenizer.pkl of the start "
           "checkpoint)", "code": "task code", "watched": "data of the watched task",
@@ -2649,135 +2899,18 @@ def read_step_log(path, log=print):
 
 
 # -----------------------------------------------------------------------------
-# The statistics of one policy_update: summed on the device, read once when the update ends
+# Evaluation and --ask: greedy and sampled, every rank takes its share of the problems
 
-def update_stats(device):
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = {k: zero.clone() for k in ("loss", "loss_policy", "loss_kl", "clipped_low", "clipped_high", "clip_tokens",
-                                      "tokens", "kl", "entropy", "sampler_gap", "teacher_kl")}
-    # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
-    return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
-                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
-                skipped_updates=0, empty_updates=0, no_signal_updates=0,
-                weights_finite=torch.ones((), dtype=torch.bool, device=device))
+def first_eval(args, run):
+    """The eval of the step a run starts at (eval_every due there, or the last step's): step 0's, and on --resume one
+    that a stop skipped (end_of_step saves first). Rank 0 read the metrics: every rank follows its answer."""
+    final = run.start_step == args.num_steps
+    if not args.eval_every or (run.start_step % args.eval_every and not final) or all_reduce(
+            torch.tensor(float(run.start_evaluated)), dist.ReduceOp.MAX).item():
+        return
+    if run_eval(args, run, run.start_step, args.final_eval_examples if final else args.eval_examples) is None:
+        raise KeyboardInterrupt(f"{stop_name()} during the eval of step {run.start_step}")
 
-
-@torch.no_grad()
-def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
-    """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
-    update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
-    The optimizers step one weight at a time, Muon one of its stacks (the others' gradients set aside: torch's
-    optimizers and Muon skip a weight without one), so that the copy the measurement needs is of one tensor or
-    stack, never of a whole optimizer's share of the model (for nanochat's d20, gigabytes of embeddings). With a
-    sharded optimizer (owners) a rank holds the gradients of its own weights only: it steps those, the sums are
-    over ranks, and every weight then comes from its owner."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
-        else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
-    grad_norm = (all_reduce(squares) if owners else squares).sqrt()
-    if grad_clip:  # as torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
-        scale = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0).float()
-        torch._foreach_mul_([p.grad for p in params], scale)
-    stats["grad_norm"] += grad_norm
-    squares = torch.zeros(3, dtype=torch.float64, device=stats["grad_norm"].device)  # update, before, after
-    for opt in optimizers:
-        params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        grads = {p: p.grad for p in params}
-        for p in params:
-            p.grad = None
-        for chunk in Muon.stacks(params) if isinstance(opt, Muon) else [[p] for p in params]:
-            before = list(torch.stack(chunk).unbind(0))  # one copy of the chunk (same shapes)
-            for p in chunk:
-                p.grad = grads[p]
-            opt.step()
-            for p in chunk:
-                p.grad = None
-            before_norms, after_norms = torch._foreach_norm(before), torch._foreach_norm(chunk)
-            torch._foreach_sub_(before, chunk)  # -> the update, negated
-            squares += torch.stack([torch.stack(norms).double().square().sum()
-                                    for norms in (torch._foreach_norm(before), before_norms, after_norms)])
-    if owners:
-        all_reduce(squares)
-        broadcast_weights([p for p in model.parameters() if p.requires_grad], owners)
-    update, before, after = squares.sqrt()
-    stats["steps"] += 1
-    stats["update_ratio"] += update / before
-    stats["weight_norm_factor"] = torch.maximum(stats["weight_norm_factor"], torch.maximum(after / before,
-                                                                                           before / after))
-    stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
-
-
-@torch.no_grad()
-def add_micro_batch_stats(stats, loss, parts, mask, stepped):
-    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]; stepped: whether an
-    optimizer step came before this pass in the update."""
-    sums = stats["sums"]
-    sums["loss"] += loss
-    sums["loss_policy"] += parts["loss_policy"]
-    if "kl" in parts:
-        sums["loss_kl"] += parts["loss_kl"]
-        sums["kl"] += (parts["kl"] * mask).sum()
-    if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
-        clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
-        sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
-        sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
-        sums["clip_tokens"] += mask.sum()
-    sums["tokens"] += mask.sum()
-    if "teacher_kl" in parts:
-        sums["teacher_kl"] += (parts["teacher_kl"] * mask).sum()
-    sums["entropy"] += (parts["entropy"] * mask).sum()
-    sums["sampler_gap"] += (parts["sampler_gap"].abs() * mask).sum()
-    ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
-    stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
-    stats["ratio_max"] = torch.maximum(stats["ratio_max"], ratio.max())
-
-
-def finish_update_stats(stats, args, with_kl, with_teacher=False):
-    """-> the update's metrics, reduced over ranks: means over passes (losses) or over policy tokens."""
-    sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
-    passes = args.ppo_epochs * args.num_minibatches
-    tokens = sums["tokens"].clamp(min=1)
-    steps = max(stats["steps"], 1)
-    return {
-        "loss": (sums["loss"] / passes).item(),
-        "loss_policy": (sums["loss_policy"] / passes).item(),
-        "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
-        "kl": (sums["kl"] / tokens).item() if with_kl else None,
-        "teacher_kl": (sums["teacher_kl"] / tokens).item() if with_teacher else None,  # mean log pi_old - log pi_T
-        **{name: (clipped / sums["clip_tokens"]).item() if sums["clip_tokens"] > 0 else None for name, clipped in (
-            ("clip_frac", sums["clipped_low"] + sums["clipped_high"]), ("clip_frac_low", sums["clipped_low"]),
-            ("clip_frac_high", sums["clipped_high"]))},
-        "ratio_min": all_reduce(stats["ratio_min"], dist.ReduceOp.MIN).item(),
-        "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
-        "entropy": (sums["entropy"] / tokens).item(),
-        "sampler_gap": (sums["sampler_gap"] / tokens).item(),  # mean |log pi_old - log pi_sampler|
-        "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
-        "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
-        "weight_norm_factor": stats["weight_norm_factor"].item(),
-        "skipped_updates": stats["skipped_updates"],
-        "empty_updates": stats["empty_updates"],
-        "no_signal_updates": stats["no_signal_updates"],
-        "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
-    }
-
-
-def state_bytes(entry):
-    """The bytes of one weight's optimizer state (its momenta, second moments, step counter)."""
-    return sum(v.numel() * v.element_size() for v in entry.values() if torch.is_tensor(v))
-
-
-def optimizer_state_bytes(optimizers):
-    """The bytes of this rank's optimizer state."""
-    return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
-
-
-def weights_are_finite(model):
-    """-> a bool tensor on the device (no host sync): every weight is finite."""
-    return torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()], float("inf"))).isfinite().all()
-
-
-# -----------------------------------------------------------------------------
-# Evaluation: greedy and sampled, every rank takes its share of the problems
 
 class Abandoned(Exception):
     """An eval left between two of its batches: a stop signal reached a rank during the steps (run_eval)."""
@@ -2955,125 +3088,6 @@ def progress(label, done, total, start, shown):
     elif done < total and (shown[0] is None or now - shown[0] >= PROGRESS_SECONDS):
         print(line, flush=True)
         shown[0] = now
-
-
-# -----------------------------------------------------------------------------
-# Packed passes: which rows share a pass, and their layout as one sequence
-
-def to_device(batch, device):
-    """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
-    def move(value):
-        if torch.is_tensor(value):
-            return value.to(device)
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        return [move(v) for v in value] if isinstance(value, list) else value
-    return move(batch)
-
-
-@torch.no_grad()
-def teacher_top_logprobs(teacher, mb, args):
-    """--distill-divergence forward: the teacher's --distill-top-k tokens at the micro-batch's loss positions ->
-    dict(ids in the pass's layout, for the student's head; their log-probs and the rest's, in the rows' layout)."""
-    ids, top, rest = teacher.top_logprobs(mb["input_ids"], args.distill_top_k, args.temperature,
-                                          positions=mb["positions"], pack=mb.get("pack"))
-    return {"ids": ids, "logprobs": (in_rows(top, mb), in_rows(rest, mb))}
-
-
-def plan_micro_batches(batch, args, static=None):
-    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
-    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
-    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
-    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
-    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
-    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
-    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
-    widths = batch["widths"].tolist()
-    N, G = len(widths), args.num_samples
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    needed = "sampled_mask" if args.kl_coef and args.kl_placement == "reward" else "loss_mask"
-    row_minibatch = [(rank * N + r) % args.num_minibatches for r in range(N)]
-    micro_batches, totals = [], []
-    for j in range(args.num_minibatches):
-        rows = [r for r in range(N) if row_minibatch[r] == j]
-        mask = batch["loss_mask"][rows]
-        totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
-        if args.pack and args.device_batch_size is None:
-            passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
-            passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
-        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
-    return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
-
-
-def micro_batch(batch, rows, minibatch, widths, needed, args, static):
-    """One forward/backward pass of the update: these rows of the batch, cut to their longest width [R, width] (the
-    rows' own layout), with --pack their token ids as one sequence [1, total] (pack_micro_batch). It carries the
-    positions its log-probs are needed at (flat indices of `needed`: the loss mask, or with the KL in the reward
-    every sampled token), so that the forward passes never ask the device which they are (a host sync per pass)."""
-    width = max(widths[r] for r in rows)
-    mb = {k: batch[k][rows, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                              "sampler_logprobs")}
-    mb.update(minibatch=minibatch, rows=torch.tensor(rows))
-    if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
-        mb["pass_normalisers"] = batch["pass_normalisers"][rows]
-    if args.pack:  # the masks stay in the rows' layout
-        mb.update(pack_micro_batch(mb, [widths[r] for r in rows], args.tokens_per_pass, static))
-        mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
-    else:
-        mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
-    return mb
-
-
-# -----------------------------------------------------------------------------
-# Data order and distributed helpers (identity in a single process)
-
-EPOCH_ORDERS = {}  # (num_examples, seed, prompts_per_step) -> (the latest epoch computed, its order)
-
-
-def epoch_order(num_examples, seed, epoch, prompts_per_step):
-    """The order in which the steps take epoch `epoch` (>= 1) of the questions: a permutation drawn from (seed,
-    epoch), except that a step which straddles the boundary with the previous epoch takes no question twice (the
-    same question with the same noise, seed-step-question, would be the same group twice): the questions it still
-    holds of the previous epoch are drawn later in this one. Each epoch depends on the end of the one before, so
-    the orders are computed forward from epoch 1, the latest kept."""
-    key = (num_examples, seed, prompts_per_step)
-    done, order = EPOCH_ORDERS.get(key, (0, None))
-    if done > epoch:
-        done, order = 0, None
-    while done < epoch:
-        done += 1
-        straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
-        held = set(order[num_examples - straddled:] if order is not None else  # epoch 0: the task's own order
-                   range(num_examples - straddled, num_examples)) if straddled else set()
-        shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
-        free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
-        taken = set(free)
-        order = free + [q for q in shuffled if q not in taken]
-    EPOCH_ORDERS[key] = (done, order)
-    return order
-
-
-def prompt_indices(step, rank, world_size, args, num_examples):
-    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
-    picks up exactly where it stopped. Epoch 0 keeps the task's own (fixed) order, later epochs reshuffle
-    (epoch_order); a step's questions are distinct (given as many questions as a step takes)."""
-    per_rank = args.prompts_per_step // world_size
-    first = step * args.prompts_per_step + rank * per_rank
-    indices = []
-    for g in range(first, first + per_rank):
-        epoch, i = divmod(g, num_examples)
-        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i])
-    return indices
-
-
-def leave_process_group():
-    if dist.is_initialized():  # together: a rank that tears gloo down while the master still writes can abort
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------

@@ -690,16 +690,13 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
-    `decode`: how a decode step runs. "dynamic": attention over the columns written so far, and finished rows
-    leave the batch (least work: the CPU's default). "static": the same shapes step after step
-    (KVCache.make_static), finished rows staying, masked, until half the batch has finished: then the batch halves
-    (the running rows, and finished ones to fill it), so a group's last long reply runs in a small batch. "graph":
+    `decode`: "dynamic": attention over the columns written so far, finished rows leave the batch (least work: the
+    CPU's default). "static": the same shapes step after step (KVCache.make_static), finished rows staying, masked,
+    until half the batch has finished: then the batch halves (the running rows, finished ones to fill it). "graph":
     static, each batch size's step captured once as a CUDA graph and replayed, one launch a step (CUDA's default: a
-    step of small kernels is bound by launches, not by the GPU). With model.use_compile a static step runs compiled
-    (its small kernels fused), captured or not. The same tokens either way, up to rounding (the attention sums over
-    a different number of columns; each row's noise is its own, wherever it sits in the batch).
-    `ends` (the start-up self-check's): [N] the step at which each row is made to end, its stop token forced as a
-    tool's output is (not sampled: mask 0), or -1 (it ends as it comes), so that rows finish at chosen steps.
+    step of small kernels is bound by launches). With model.use_compile a static step runs compiled, captured or
+    not. The same tokens either way, up to rounding (each row's noise is its own, wherever it sits in the batch).
+    `ends` (the self-check's): [N] the step at which each row is made to end, its stop token forced (mask 0), or -1.
     `respond` (an episode of several turns): called as respond(row, tokens, mask), the row's output index and its
     tokens and mask so far (lists), when a row samples <|assistant_end|>; it returns the next user message as text,
     and <|user_start|> message <|user_end|> <|assistant_start|> is forced into the row (mask 0, log-prob 0, as
@@ -721,8 +718,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     device = model.lm_head.weight.device
     decode = decode if decode != "auto" else "graph" if device.type == "cuda" else "dynamic"
-    P, G = len(prompts), num_samples
-    N = P * G
+    P, G, N = len(prompts), num_samples, len(prompts) * num_samples
     # All randomness is drawn up front from one generator per prompt, seeded `seed + p` (or seed[p]): a
     # prompt's samples do not depend on which other prompts share the batch, or on which rank runs it.
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
@@ -773,12 +769,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         num_running, any_call, *any_turn_end = torch.stack([(~done).sum(), calls.any()] + (
             [turn_ends.any()] if respond is not None else [])).tolist()
         if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
-            forced, num_forced, ended = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
-                                                     num_forced)
-            if ended:
-                ended = torch.tensor(ended, device=device)
-                lengths[rows[ended]], truncated[rows[ended]], done[ended] = t + 1, False, True
-                num_running -= len(ended)
+            forced, num_forced, num_running = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
+                                                           num_forced, (lengths, truncated, done), num_running)
         if num_running == 0 or t == max_new_tokens - 1:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
@@ -786,8 +778,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
-            rows, token, done, forced, num_forced = rows[keep], token[keep], done[keep], forced[keep], num_forced[keep]
-            turn_tokens = turn_tokens[keep]
+            rows, token, done, forced, num_forced, turn_tokens = (x[keep] for x in (rows, token, done, forced,
+                                                                                    num_forced, turn_tokens))
             if decode != "dynamic":
                 step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
         sampled, sampled_logprob = step(token, noise[rows, t + 1])
@@ -829,9 +821,10 @@ def call_tool(tool, tokenizer, replies, calls, forced, num_forced):
     return forced, num_forced
 
 
-def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced):
+def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced, ends, num_running):
     """The rows that just ended a turn (turn_ends [B]): the environment's answer to each queued to be forced, as
-    call_tool's are -> (forced, num_forced, the rows whose episode ends here: batch indices, a list)."""
+    call_tool's are; a row whose episode ends here ends (ends: generate's lengths, truncated, done, written in place)
+    -> (forced, num_forced, the rows still running)."""
     ended = []
     running = turn_ends.nonzero().flatten().tolist()
     outputs = rows[running].tolist()
@@ -846,7 +839,11 @@ def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, n
             forced = F.pad(forced, (0, len(queue) - forced.size(1)))
         forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
         num_forced[i] = len(queue)
-    return forced, num_forced, ended
+    if ended:
+        lengths, truncated, done = ends
+        ended = torch.tensor(ended, device=done.device)
+        lengths[rows[ended]], truncated[rows[ended]], done[ended] = t + 1, False, True
+    return forced, num_forced, num_running - len(ended)
 
 
 def rows_to_keep(done, num_running, decode):
