@@ -977,6 +977,25 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
+    weights_finite = stats.pop("weights_finite")
+    metrics = step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier)
+    record(run, metrics)
+    log_samples(args, run, step, groups, batch)
+    run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
+            f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
+            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
+            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
+            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
+            + (f" | turns {metrics['episode_turns']:.2f}" if "episode_turns" in metrics else "")
+            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
+              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
+              f"| {metrics['tokens_per_s']:.0f} tok/s")
+    step_warnings(args, run, step, metrics, stats, weights_finite)
+    evaluate_and_save(args, run, step)
+
+
+def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
+    """The step's metrics.jsonl line: the rewards and replies summed over the ranks, the update's statistics."""
     samples = groups["samples"]
     # the policy's own rewards: of every group it sampled, also those dynamic sampling left out ("drawn")
     drawn = groups.get("drawn", groups)
@@ -994,8 +1013,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
     local.update(episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
-    weights_finite = stats.pop("weights_finite")
-    metrics = {"step": step + 1, "reward": sums["reward"] / sums["replies"],
+    return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
                "reward_group_std": sums["reward_group_std"] / sums["groups"],
                "equal_group_frac": sums["equal_groups"] / sums["groups"],
                **{name: sums[name] / sums["replies"] for name in names}, **stats,
@@ -1015,17 +1033,11 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
                                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                "wall_time": time.time() - run.wall_start}
-    record(run, metrics)
-    log_samples(args, run, step, groups, batch)
-    run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
-            f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
-            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
-            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
-            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
-            + (f" | turns {metrics['episode_turns']:.2f}" if episodes else "")
-            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
-              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
-              f"| {metrics['tokens_per_s']:.0f} tok/s")
+
+
+def step_warnings(args, run, step, metrics, stats, weights_finite):
+    """Say what the numbers alone would not: steps with nothing to learn, skipped updates, a step size far too
+    large; stop on non-finite weights, or losses too many steps in a row."""
     # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
     # (A teacher teaches in equal groups too.)
     run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
@@ -1049,6 +1061,10 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
         stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
                  "lower the learning rates or set --grad-clip (a resumed run may change those)")
+
+
+def evaluate_and_save(args, run, step):
+    """The step's eval and checkpoint when due; a stop signal received on any rank ends the run here, saved."""
     last = step + 1 == args.num_steps
     stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
     evaluated = True  # the step's eval, when due, ran to its end
@@ -2378,12 +2394,12 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
     "reinforce": dict(advantage="mean", aggregation="nanochat", ratio_level="token", policy_loss="clip",
                       ppo_epochs=1, num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0,
                       sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False,
-                      mask_truncated=False, dynamic_sampling=False, distill_coef=0.0),
+                      mask_truncated=False, dynamic_sampling=False, distill_coef=0.0, distill_divergence="sampled"),
     # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
     "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", policy_loss="clip", ppo_epochs=2,
                  num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
                  kl_coef=0.04, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False, mask_truncated=False,
-                 dynamic_sampling=False, distill_coef=0.0),
+                 dynamic_sampling=False, distill_coef=0.0, distill_divergence="sampled"),
 }
 # RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
 PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
@@ -2498,21 +2514,7 @@ def resolve_config(argv=None):
         retries = f"-attempts{args.attempts}" if args.attempts > 1 else ""  # another trajectory, another folder
         args.run_name = f"{prefix}{retries}-{args.algo}-seed{args.seed}"
     args.run_settings = evaluated_run(args, given)
-    for key, value in PRESETS[args.algo].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    demo_bonus = args.entropy_coef is None
-    if demo_bonus:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
-        args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
-                                              args.advantage]
-    if args.clip_eps_high is None:
-        args.clip_eps_high = args.clip_eps
-    if args.distill_divergence is None:  # beside a reward, the teacher's term as an advantage
-        args.distill_divergence = "sampled"
-    if args.aggregation == "nanochat" and args.pass_size is None:
-        args.pass_size = 8  # nanochat's RL script's default device batch size
-    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
-        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    demo_bonus = apply_preset(args)
     try:  # a task file or module that is not there, or not a task: one line, before any work
         task = task_class(args.task)
         for spec in args.eval_task or []:
@@ -2529,23 +2531,7 @@ def resolve_config(argv=None):
             args.notes.append("--eval-examples does nothing here: --eval-only evaluates --final-eval-examples problems")
         else:
             args.final_eval_examples = args.eval_examples
-    # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
-    # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
-    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
-               and PRESETS[args.algo].get(f)]
-    for name in filters:
-        setattr(args, name, False)
-    if filters:
-        args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
-                          "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
-                          "(give the flag to keep it)")
-    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
-    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
-        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
-                    else f"--advantage {args.advantage}")
-        args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
-                          f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
-                          "keeps it")
+    args.notes += preset_notes(args, given, demo_bonus)
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
@@ -2562,15 +2548,92 @@ def resolve_config(argv=None):
     return args
 
 
+def apply_preset(args):
+    """--algo's values for the flags not given, and the defaults that follow from other flags -> whether the demo's
+    entropy bonus was set (by the advantages' scale)."""
+    for key, value in PRESETS[args.algo].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    demo_bonus = args.entropy_coef is None
+    if demo_bonus:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
+        args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
+                                              args.advantage]
+    if args.clip_eps_high is None:
+        args.clip_eps_high = args.clip_eps
+    if args.aggregation == "nanochat" and args.pass_size is None:
+        args.pass_size = 8  # nanochat's RL script's default device batch size
+    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
+        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    return demo_bonus
+
+
+def preset_notes(args, given, demo_bonus):
+    """Where the preset's values meet other flags: what changed and why -> notes."""
+    notes = []
+    # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
+    # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
+    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
+               and PRESETS[args.algo].get(f)]
+    for name in filters:
+        setattr(args, name, False)
+    if filters:
+        notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} stay off "
+                     "with a teacher: it scores every token, of equal groups and cut-off replies too (give the flag "
+                     "to keep it)")
+    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
+    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
+        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
+                    else f"--advantage {args.advantage}")
+        notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
+                     f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
+                     "keeps it")
+    return notes
+
+
 def check_config(args):
     """Exit 2 with argparse's usage line and one line naming the first problem, before any work is done."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    for bad, message in value_problems(args) + combination_problems(args) + setup_problems(args):
+        if bad:
+            parser.error(message)
+
+
+def value_problems(args):
+    """check_config's checks of one flag's value that its type cannot make -> [(bad, message)]."""
     lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
+    return [
+        (args.top_k < 0, "--top-k must be >= 0"),
+        (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
+        (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
+        (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
+         "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
+        (args.kl_coef < 0, "--kl-coef must be >= 0"),
+        (args.distill_coef < 0, "--distill-coef must be >= 0"),
+        (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+        (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
+        (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
+        (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
+        (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
+                                           args.sapo_tau_pos, args.sapo_tau_neg,
+                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac,
+                                           args.lora_alpha))),
+         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
+         "--min-lr-frac and --lora-alpha must be finite numbers"),
+        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
+         f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
+        (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
+        (min(lrs) <= 0,
+         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
+        (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
+    ]
+
+
+def combination_problems(args):
+    """check_config's checks of flags that do not go together -> [(bad, message)]."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # the flag the user gave: the preset's own coefficient, or --distill-coef
     distilling = ("--algo distill" if args.algo == "distill" and args.distill_coef == PRESETS["distill"]["distill_coef"]
                   else f"--distill-coef {args.distill_coef:g}")
-    problems = [
-        (args.top_k < 0, "--top-k must be >= 0"),
+    return [
         (args.attempts > args.max_turns, f"--attempts {args.attempts} needs as many assistant turns an episode: "
          f"raise --max-turns (now {args.max_turns})"),
         (args.grader not in GRADERS and ":" not in args.grader, f"--grader {args.grader!r} is none of "
@@ -2579,12 +2642,6 @@ def check_config(args):
          f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks"),
         (args.num_samples < 2 and not args.ask,  # --ask samples this many replies beside its greedy one
          f"--num-samples {args.num_samples}: group-relative advantages need groups of at least 2 replies"),
-        (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
-        (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
-        (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
-         "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
-        (args.kl_coef < 0, "--kl-coef must be >= 0"),
-        (args.distill_coef < 0, "--distill-coef must be >= 0"),
         (args.distill_coef > 0 and not (args.teacher or args.eval_only or args.ask), f"{distilling} needs a teacher: "
          "--teacher DIR (a checkpoint folder of a model with the policy's tokenizer, or a run folder of grpo.py)"),
         (args.teacher and not args.distill_coef > 0, "--teacher is read only with --distill-coef > 0 (--algo distill "
@@ -2597,7 +2654,6 @@ def check_config(args):
          "advantage, and --ratio-level sequence (GSPO) one ratio a reply: use --ratio-level token"),
         (args.policy_loss != "clip" and (args.ratio_level == "sequence" or args.clip_ratio_c is not None),
          f"--policy-loss {args.policy_loss} is per token: --ratio-level sequence and --clip-ratio-c are PPO-clip's"),
-        (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
         (args.reward_combination != "sum" and args.kl_placement == "reward" and args.kl_coef > 0,
          "--reward-combination normalize-then-sum and --kl-placement reward: the KL would need a term of its own; "
          "use one of them"),
@@ -2614,31 +2670,13 @@ def check_config(args):
         (len({task_name(spec) for spec in args.eval_task}) < len(args.eval_task) or task_name(args.task) in map(
             task_name, args.eval_task), "--eval-task: each watched task needs a name of its own (a file's stem, a "
          "class's name), other than the trained task's"),
-        (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (args.num_steps is not None and args.warmup_steps >= args.num_steps,
          f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
-        (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
-        (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
         (args.ref_reset_every > 0 and args.kl_coef == 0,
          "--ref-reset-every needs a reference model: set --kl-coef > 0"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
-        (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.sapo_tau_pos, args.sapo_tau_neg,
-                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac,
-                                           args.lora_alpha))),
-         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
-         "--min-lr-frac and --lora-alpha must be finite numbers"),
-        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
-         f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
-        (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
-        (min(lrs) <= 0,
-         "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
-        (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
-    ] + setup_problems(args)
-    for bad, message in problems:
-        if bad:
-            parser.error(message)
+    ]
 
 
 def setup_problems(args):
@@ -2780,6 +2818,41 @@ def resume(args, run):
     except (OSError, ValueError) as e:
         sys.exit(f"error: --resume: cannot read the run's flags from {config_path} ({e}): restore that file, or start "
                  f"a new run from the checkpoint with --init {checkpoint_dir}")
+    differing = resumable(args, run_config, config, checkpoint_dir)
+    if not saved:  # the run stopped before its first save: starting over is what resuming would do
+        run.log(f"note: --resume: {run.run_dir} has no complete checkpoint (the run stopped before its first save); "
+                "starting it over from step 0")
+        return 0
+    step = saved[-1]
+    changes = {k: [run_config.get(k), config[k]] for k in differing}
+    history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
+    if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
+        config["resumed_with"] = history
+    if changes and not (args.eval_only or args.ask):  # (an evaluation's spread over memory is its own)
+        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+                + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
+    model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
+    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
+    try:
+        saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
+        try:  # LoRA: the file holds the merged weights, see below
+            run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)
+        except RuntimeError as e:  # a model file and its meta of another run
+            raise CheckpointFileError(model_path, f"{model_path} is not this run's model "
+                                      f"({error_summary(e)})") from None
+        # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
+        restore_training_state(run, load_tensors(state_path, mmap=True), state_path)
+    except CheckpointFileError as e:
+        unusable_checkpoint("--resume", e, saved)
+    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
+        for group, lr in zip(opt.param_groups, lrs):
+            group["initial_lr"] = lr
+    return step
+
+
+def resumable(args, run_config, config, checkpoint_dir):
+    """Stop with one line when the run cannot resume with these flags: another version of the program, changed
+    inputs, or a flag that shapes the trajectory changed -> the flags that differ and may (step sizes, the spread)."""
     if run_config.get("version") != VERSION:
         sys.exit(f"error: --resume: the run was written by grpo.py version {run_config.get('version', 1)}, this is "
                  f"version {VERSION}: finish it with the version that started it, or start a new run from its "
@@ -2812,35 +2885,7 @@ def resume(args, run):
         original = as_flags({k: run_config.get(k) for k in refused if k in vars(args)})
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
                  f"pass the original flags{': ' + original if original else ''}")
-    if not saved:  # the run stopped before its first save: starting over is what resuming would do
-        run.log(f"note: --resume: {run.run_dir} has no complete checkpoint (the run stopped before its first save); "
-                "starting it over from step 0")
-        return 0
-    step = saved[-1]
-    changes = {k: [run_config.get(k), config[k]] for k in differing}
-    history = run_config.get("resumed_with", []) + ([dict(step=step, **changes)] if changes else [])
-    if history:  # absent otherwise, so that a resumed run stays one seed of its configuration in --compare
-        config["resumed_with"] = history
-    if changes and not evaluating:  # (an evaluation's spread over memory is its own)
-        run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
-                + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
-    model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
-    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
-    try:
-        saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
-        try:  # LoRA: the file holds the merged weights, see below
-            run.model.load_state_dict(saved_model.state_dict(), strict=run.model.lora is None)
-        except RuntimeError as e:  # a model file and its meta of another run
-            raise CheckpointFileError(model_path, f"{model_path} is not this run's model "
-                                      f"({error_summary(e)})") from None
-        # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
-        restore_training_state(run, load_tensors(state_path, mmap=True), state_path)
-    except CheckpointFileError as e:
-        unusable_checkpoint("--resume", e, saved)
-    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
-        for group, lr in zip(opt.param_groups, lrs):
-            group["initial_lr"] = lr
-    return step
+    return differing
 
 
 def restore_training_state(run, state, state_path):
