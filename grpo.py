@@ -75,12 +75,12 @@ import torch.distributed as dist
 from model import (CheckpointFileError, GENERATIONS, GPT, GPTConfig, HEAD_CHUNK, Muon, Tokenizer, all_reduce,
                    atomic_save, batch_rows, broadcast_weights, checkpoint_folder, checkpoint_steps, complete_steps,
                    error_summary, find_checkpoint, first_fit_decreasing, flash_varlen_takes, float32_matrices,
-                   gathered_optimizer_states, generate, in_rows, load_checkpoint, load_tensors, loadable_steps,
-                   make_optimizers, master_weight_names, master_weights, noisy_projections, optimizer_version,
-                   pack_micro_batch, reduce_gradients, save_checkpoint, self_check_distances, self_check_replies,
-                   shard_owners, stop_signal, tokenizer_path, writing)
-from tasks import (GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, episode_responder,
-                   graded, reply_text, task_class, task_name)
+                   gathered_optimizer_states, in_rows, load_checkpoint, load_tensors, loadable_steps, make_optimizers,
+                   master_weight_names, master_weights, noisy_projections, optimizer_version, pack_micro_batch,
+                   reduce_gradients, save_checkpoint, self_check_distances, self_check_replies, shard_owners,
+                   stop_signal, tokenizer_path, writing)
+from tasks import (GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, graded, play,
+                   reply_text, task_class, task_name)
 from tasks.jsonl import GRADERS
 
 
@@ -192,28 +192,17 @@ def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, arg
     logprobs = torch.where(keep, logprobs, 0.0)
     old, sampler, ref, teacher = (torch.where(keep, frozen[k], 0.0) if frozen[k] is not None else None
                                   for k in ("old", "sampler", "ref", "teacher"))
-    parts = {}
-    if teacher is not None:  # the sampled teacher: a per-token advantage, [B, 1] -> [B, T]
-        advantages, parts["teacher_kl"] = sampled_teacher_advantages(advantages, old, teacher, args.distill_coef)
+    parts = dict(entropy=entropy.detach(), sampler_gap=old - sampler)  # logged: log pi_old - log pi_sampler [B, T]
+    # GRPO: each token's ratio rho = pi_theta / pi_old, clipped, times its reply's advantage; + beta * KL to pi_ref
     log_ratio = logprobs - old  # [B, T]
-    if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
-        log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
-    if args.policy_loss == "cispo":  # clip the weight
-        policy, clipped = cispo_policy_loss(logprobs, log_ratio, advantages, args.clip_eps, args.clip_eps_high)
-    elif args.policy_loss == "sapo":  # a soft gate
-        policy, clipped = sapo_policy_loss(log_ratio, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
-    else:  # clip the ratio
+    if plain_policy_term(args, teacher):
         policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high,
                                               args.clip_ratio_c)
-    sampler_gap = old - sampler  # log pi_old - log pi_sampler, [B, T]
-    if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
-        # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
-        gap = sequence_log_ratio(sampler_gap, loss_mask) if args.ratio_level == "sequence" else sampler_gap
-        policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
-    loss_policy = aggregate(policy, loss_mask, args.aggregation, denominator)
-    parts.update(log_ratio=log_ratio, clipped=clipped, loss_policy=loss_policy, entropy=entropy.detach(),
-                 sampler_gap=sampler_gap)
-    loss = loss_policy
+    else:  # the sampled teacher's advantage, GSPO's ratio a reply, CISPO's or SAPO's loss, the rollout correction
+        policy, clipped, log_ratio = policy_variants(logprobs, old, log_ratio, advantages, teacher, loss_mask, args,
+                                                     parts)
+    loss = parts["loss_policy"] = aggregate(policy, loss_mask, args.aggregation, denominator)
+    parts.update(log_ratio=log_ratio, clipped=clipped)
     if ref is not None:
         kl = kl_penalty(logprobs, ref, args.kl_estimator)
         if args.kl_placement == "reward":  # it is in the advantages already (kl_reward_penalty): logged only
@@ -221,13 +210,8 @@ def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, arg
         parts.update(kl=kl, loss_kl=aggregate(kl, loss_mask, args.aggregation, denominator))
         if args.kl_placement == "loss":
             loss = loss + args.kl_coef * parts["loss_kl"]  # + beta * KL
-    if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
-        loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
-    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
-        teacher_kl = forward_kl(student_top, frozen["teacher_top"]) * keep  # [B, T]
-        parts["teacher_kl"] = teacher_kl.detach()
-        loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
-    return loss, parts
+    # the entropy bonus, the forward KL to a teacher
+    return loss_variants(loss, entropy, student_top, frozen, keep, loss_mask, denominator, args, parts), parts
 
 
 # -----------------------------------------------------------------------------
@@ -262,14 +246,6 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
                                + [penalty], dim=-1)
     return dict(indices=torch.tensor(indices), prompts=prompts, samples=samples, terms=terms,
                 task_rewards=task_rewards, penalty=penalty, rewards=task_rewards + penalty, reward_parts=reward_parts)
-
-
-def play(task, model, tokenizer, prompts, conversations, G, max_new_tokens, args, **sampling):
-    """generate with the task's tool, and for an episode's task its respond answering each conversation's G rows
-    (conversations None: no environment, as for an --ask question that is none of the task's problems)."""
-    respond = None if conversations is None else episode_responder(task, tokenizer, conversations, G, args.max_turns)
-    return generate(model, tokenizer, prompts, G, max_new_tokens, tool=task.tool, respond=respond,
-                    max_turn_tokens=args.max_turn_tokens, **sampling)
 
 
 def equal_groups(rewards, reward_parts=None):
@@ -385,11 +361,16 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
             minibatch_loss = torch.zeros((), dtype=torch.float64, device=advantages.device)
             for i in (i for i, mb in enumerate(micro_batches) if mb["minibatch"] == j):
                 mb = micro_batches[i]
+                # Where pi_old comes from: it is the policy before the batch's first optimizer step. A pass before
+                # that step computes it itself: its own log-probs, detached (None here; rho = 1 exactly, nothing
+                # clips), kept below for the later epochs. A pass after it reads them (or, for a minibatch first
+                # reached after a step, the forward frozen_terms ran before the first step).
+                old = old_logprobs[i] if stepped else None
                 with autocast, torch.set_grad_enabled(learns):
                     loss, parts, logprobs = micro_batch_loss(
-                        model, mb, old_logprobs[i] if stepped else None, ref_logprobs[i], teacher_logprobs[i],
-                        advantages[mb["rows"]], micro_batch_denominator(denominator, mb, args.aggregation), args)
-                if not stepped:  # a pass before the first step: its own log-probs are pi_old, for the later epochs
+                        model, mb, old, ref_logprobs[i], teacher_logprobs[i], advantages[mb["rows"]],
+                        micro_batch_denominator(denominator, mb, args.aggregation), args)
+                if not stepped:
                     old_logprobs[i] = logprobs
                 if learns:
                     loss.backward()
@@ -402,8 +383,8 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
 
 def micro_batch_loss(model, mb, old_logprobs, ref_logprobs, teacher_logprobs, advantages, denominator, args):
     """One forward pass of the update: the micro-batch's log-probs under the policy, and its share of the loss
-    (objective). old_logprobs None: pi_old is the policy itself (rho = 1). -> (loss, parts, log-probs [R, width],
-    detached). The start-up self-check runs its fast and plain paths through this too."""
+    (objective). old_logprobs None: this pass is pi_old's own (policy_update), its log-probs detached (rho = 1).
+    -> (loss, parts, log-probs [R, width], detached). The start-up self-check runs its paths through this too."""
     forward = isinstance(teacher_logprobs, dict)  # --distill-divergence forward: the student at the teacher's top-k
     logprobs, entropy, *student_top = logprobs_of(model, mb, args, with_entropy=True,
                                                   top_ids=teacher_logprobs["ids"] if forward else None)
@@ -419,12 +400,9 @@ def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
     """The update's frozen log-probs, one [R, width] per micro-batch (None where not taken): pi_old where a pass
     needs it before its own forward, pi_ref and the teacher's -> (old, ref, teacher)."""
     micro_batches = batch["micro_batches"]
-    # pi_old is the policy before the batch's first optimizer step. Every pass that runs before that step takes its
-    # own log-probs, detached, as pi_old (rho == 1 exactly) and keeps them for the later epochs: only minibatches
-    # that are first reached after a step (the 2nd.. of the first epoch) need a forward pass of their own, now;
-    # all of them when the KL is a reward term, which needs pi_old before the advantages.
+    # pi_old (see policy_update): only minibatches first reached after a step (the 2nd.. of the first epoch) need a
+    # forward of their own, now; all of them when the KL is a reward term, which needs pi_old before the advantages.
     kl_in_reward = ref_model is not None and args.kl_placement == "reward"
-    # pi_old: also filled in by the update
     old_logprobs, ref_logprobs, teacher_logprobs = ([None] * len(micro_batches) for _ in range(3))
     later = [i for i, mb in enumerate(micro_batches) if kl_in_reward or mb["minibatch"] > 0]
     for i, logprobs in zip(later, frozen_logprobs(model, [micro_batches[i] for i in later], args, autocast)):
@@ -504,6 +482,44 @@ def train(args, run):
 # -----------------------------------------------------------------------------
 # The variants: each a flag's change to a term above (the few that all-reduce over the ranks, which every rank
 # must then call, say so)
+
+def plain_policy_term(args, teacher):
+    """Whether the policy term is GRPO's own: PPO's clip per token, on the sampler's tokens as pi_old's."""
+    return (teacher is None and args.ratio_level == "token" and args.policy_loss == "clip"
+            and args.rollout_correction == "off")
+
+
+def policy_variants(logprobs, old, log_ratio, advantages, teacher, loss_mask, args, parts):
+    """objective's policy term under the flags that change it -> (per-token loss, clipped, the log-ratio logged)."""
+    if teacher is not None:  # the sampled teacher: a per-token advantage, [B, 1] -> [B, T]
+        advantages, parts["teacher_kl"] = sampled_teacher_advantages(advantages, old, teacher, args.distill_coef)
+    if args.ratio_level == "sequence":  # GSPO: the reply is clipped as a whole
+        log_ratio = sequence_log_ratio(log_ratio, loss_mask)  # [B, 1]
+    if args.policy_loss == "cispo":  # clip the weight
+        policy, clipped = cispo_policy_loss(logprobs, log_ratio, advantages, args.clip_eps, args.clip_eps_high)
+    elif args.policy_loss == "sapo":  # a soft gate
+        policy, clipped = sapo_policy_loss(log_ratio, advantages, args.sapo_tau_pos, args.sapo_tau_neg)
+    else:  # clip the ratio
+        policy, clipped = clipped_policy_loss(log_ratio, advantages, args.clip_eps, args.clip_eps_high,
+                                              args.clip_ratio_c)
+    if args.rollout_correction != "off":  # the tokens came from pi_sampler (top-k, bf16), not from pi_old
+        # GSPO's loss is per reply: one weight per reply, from the mean gap as its ratio is the mean log-ratio
+        gap = parts["sampler_gap"]
+        gap = sequence_log_ratio(gap, loss_mask) if args.ratio_level == "sequence" else gap
+        policy = policy * rollout_weights(gap, args.rollout_correction, args.rollout_correction_cap)
+    return policy, clipped, log_ratio
+
+
+def loss_variants(loss, entropy, student_top, frozen, keep, loss_mask, denominator, args, parts):
+    """objective's loss with the terms beside GRPO's: the entropy bonus, the forward KL to a teacher."""
+    if args.entropy_coef:  # - c * entropy: a bonus that holds off the collapse onto one reply (the entropy is finite)
+        loss = loss - args.entropy_coef * aggregate(entropy, loss_mask, args.aggregation, denominator)
+    if student_top is not None:  # + lambda * KL(pi_teacher || pi_theta), the teacher's distribution at each position
+        teacher_kl = forward_kl(student_top, frozen["teacher_top"]) * keep  # [B, T]
+        parts["teacher_kl"] = teacher_kl.detach()
+        loss = loss + args.distill_coef * aggregate(teacher_kl, loss_mask, args.aggregation, denominator)
+    return loss
+
 
 def term_advantages(reward_parts, weights, eps=1e-4):
     """--reward-combination normalize-then-sum (GDPO, arXiv 2601.05242): each reward term z-scored within its group

@@ -45,6 +45,8 @@ import os
 import sys
 import traceback
 
+from model import generate
+
 
 class Task:
     """What the tasks share: no tool, runs ranked by eval_reward, one reward term, the share of correct replies as
@@ -478,6 +480,14 @@ def graded(task, tokenizer, conversation, samples, row):
     length = samples["lengths"][row].item()
     turns = episode_turns(tokenizer, samples["tokens"][row, :length].tolist(), samples["mask"][row, :length].tolist())
     return dict(conversation, episode=turns), turns[-1]["content"]
+
+
+def play(task, model, tokenizer, prompts, conversations, G, max_new_tokens, args, **sampling):
+    """generate with the task's tool, and for an episode's task its respond answering each conversation's G rows
+    (conversations None: no environment, as for an --ask question that is none of the task's problems)."""
+    respond = None if conversations is None else episode_responder(task, tokenizer, conversations, G, args.max_turns)
+    return generate(model, tokenizer, prompts, G, max_new_tokens, tool=task.tool, respond=respond,
+                    max_turn_tokens=args.max_turn_tokens, **sampling)
 
 
 def code_fingerprint(spec):

@@ -200,12 +200,12 @@ def test_a_task_that_answers_no_turn_is_todays_run_byte_for_byte(tmp_path, monke
     # The episode machinery on (respond asked at every end of turn, --attempts 1, --max-turns): the same metrics
     # and weights as the plain task's run, to the bit
     (tmp_path / "own.py").write_text("import sys\n" + ENVIRONMENTS)
-    asked, responder = [], grpo.episode_responder
+    asked, responder = [], tasks.episode_responder
 
     def counting(task, *rest):
         respond = responder(task, *rest)
         return respond and (lambda *a: asked.append(1) or respond(*a))
-    monkeypatch.setattr(grpo, "episode_responder", counting)
+    monkeypatch.setattr(tasks, "episode_responder", counting)
     flags = ["--num-steps", "2", "--eval-every", "2", "--max-new-tokens", "12"]
     grpo.main(base_flags(tmp_path, "plain", "--task", f"{tmp_path / 'own.py'}:Reverse", *flags))
     grpo.main(base_flags(tmp_path, "silent", "--task", f"{tmp_path / 'own.py'}:Silent", "--attempts", "1",

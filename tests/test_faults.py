@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import grpo
+import tasks
 import model as model_module
 import model
 from conftest import ROOT, Killed
@@ -674,7 +675,7 @@ def test_a_bad_flag_leaves_the_defaults_of_later_parses_alone(capsys):
 def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(phase, flag, tmp_path, monkeypatch):
     # torch.OutOfMemoryError raised where a GPU would raise it in each phase, in step 2, after step 1 was saved
     armed = []
-    save, generate, token_logprobs = grpo.save_training_state, grpo.generate, grpo.GPT.token_logprobs
+    save, generate, token_logprobs = grpo.save_training_state, tasks.generate, grpo.GPT.token_logprobs
 
     def save_then_arm(*a, **k):
         save(*a, **k)
@@ -688,7 +689,7 @@ def test_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_flag(phase, flag
         return call_or_raise
 
     monkeypatch.setattr(grpo, "save_training_state", save_then_arm)
-    monkeypatch.setattr(grpo, "generate", out_of_memory_in(  # greedy: the eval's; sampled: the step's
+    monkeypatch.setattr(tasks, "generate", out_of_memory_in(  # greedy: the eval's; sampled: the step's
         lambda *a, temperature=1.0, **k: "eval" if temperature == 0 else "sampling", generate))
     monkeypatch.setattr(grpo.GPT, "token_logprobs", out_of_memory_in(  # no gradient: pi_ref's or pi_old's
         lambda *a, **k: "update" if torch.is_grad_enabled() else "log-probs", token_logprobs))

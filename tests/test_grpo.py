@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo
+import tasks
 import model as model_module
 from model import GPT, GPTConfig, Tokenizer, generate, load_checkpoint
 from tasks.gsm8k import calculator
@@ -257,13 +258,13 @@ def test_the_tasks_tool_reaches_the_sampler_in_training_and_eval(monkeypatch):
     class SortWithCalculator(Sort):
         tool = staticmethod(calculator)
 
-    tools, real_generate = [], grpo.generate
+    tools, real_generate = [], tasks.generate
 
     def recording(*a, **k):
         tools.append(k.get("tool"))
         return real_generate(*a, **k)
 
-    monkeypatch.setattr(grpo, "generate", recording)
+    monkeypatch.setattr(tasks, "generate", recording)  # a task's replies are played there (tasks.play)
     args = args_for("--pass-k", "2")
     model, _ = sampled_batch(args)
     grpo.sample_groups(model, TOK, SortWithCalculator("train"), [0, 1], [5, 6], args, NO_AUTOCAST)
