@@ -1150,7 +1150,7 @@ def main(argv=None):
     if args.resume and not os.path.isdir(run_dir):  # a run that never was: said before any folder is made
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launched()[0]
     # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
     writes = not (args.eval_only or args.ask)
     with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
@@ -1178,7 +1178,7 @@ def main(argv=None):
             stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
                      "free disk space or make the folder writable")
         except torch.OutOfMemoryError as e:
-            stop_run(run_dir, *out_of_memory(args, int(os.environ.get("WORLD_SIZE", "1")), e.__traceback__))
+            stop_run(run_dir, *out_of_memory(args, launched()[1], e.__traceback__))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (schedulers), by stop_signals
             stop_run(run_dir, f"stopped by {e.args[0]}" if e.args else "interrupted", "")
         except GraderError as e:  # a changed grader does not resume a run (its sha256 is an input): a new one
@@ -1195,6 +1195,11 @@ def main(argv=None):
                      f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
                      "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
                      "longer)")
+
+
+def launched():
+    """-> (this process's rank, the number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def out_of_memory(args, world_size, trace):
@@ -1274,7 +1279,7 @@ def stop_at_step_end(signum, frame):
     STOP.update(received=name, since=now)
     if not first:
         return stop_signal(signum, frame)
-    if os.environ.get("RANK", "0") == "0":  # a raw write: a print could land inside another print's buffer
+    if launched()[0] == 0:  # a raw write: a print could land inside another print's buffer
         second = f"a second signal, {repeat:.0f} s or more after this one," if repeat else "a second one"
         os.write(2, f"{name}: the run stops: a step under way is finished and saved first, an eval is left at the end "
                     f"of its batch for --resume to run ({second} stops it at once)\n".encode())
@@ -1289,8 +1294,8 @@ def stop_run(run_dir, problem, remedy, resume=True):
     False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
     first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
     not know whether one is being written, and names none."""
-    rank = os.environ.get("RANK", "0")
-    if rank != "0":
+    rank = launched()[0]
+    if rank != 0:
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
                  "checkpoint to go on from)")
     found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
@@ -1386,8 +1391,7 @@ def start_run(args, run_dir, rank, writes):
 def start_process(args, rank):
     """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
     prints), dtype, autocast)."""
-    # torchrun sets these; a plain `python grpo.py` is rank 0 of 1
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched()[1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
