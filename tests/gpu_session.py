@@ -608,9 +608,9 @@ def run_part(s, part):
             status, summary, numbers = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", {}
             with s.lock:
                 append(os.path.join(s.out, "errors.log"), f"part {part}:\n{traceback.format_exc()}\n")
-        if status != "ok" and s.cuda:  # what it held, freed for the next part
-            bench_gpu.free_memory(s.gpu)
         finish(s, part, status, clock(s) - run.begin, summary, **numbers)
+        if status != "ok" and s.cuda:  # what it held, freed for the next part (a collection: seconds, after the row)
+            bench_gpu.free_memory(s.gpu)
     except Stopped:  # landed in the bookkeeping after the part's end
         finish(s, part, "stopped", clock(s) - run.begin, stopped_at(s, part))
     except BaseException as e:  # a kill's stand-in, an interrupt: the session ends with it, as it would in one thread

@@ -192,9 +192,16 @@ def scaled(monkeypatch, seconds):
 
 
 def test_parts_past_their_deadlines_are_stopped_and_the_next_part_starts(tmp_path, monkeypatch):
-    # part 1, a process whose child sleeps on, hangs: its group is killed at its deadline; 3a runs past its own in
-    # Python (as a compile or a loop of kernels does): it is stopped there, and 3b runs
+    # As the GPU schedules them: part 1, a process whose child sleeps on, hangs: its group is killed at its deadline;
+    # 3a (a compile's, timing nothing) runs beside it at once, past its own deadline in Python (as a compile or a loop
+    # of kernels does): it is stopped there; 3b (timed) waits for part 1, until 1's deadline, and runs
     grandchild = tmp_path / "grandchild"
+    settings = gpu_session.settings
+
+    def on_the_gpus_schedule(*args):
+        s = settings(*args)
+        s.cuda = True  # (the stand-ins time nothing, and the bench stays on the CPU)
+        return s
 
     def hanging_process(s):
         status, _ = gpu_session.run_logged(s, "1", ["sh", "-c", f"sleep 30 & echo $! > {grandchild}; sleep 30"],
@@ -210,15 +217,17 @@ def test_parts_past_their_deadlines_are_stopped_and_the_next_part_starts(tmp_pat
     monkeypatch.setitem(gpu_session.PARTS, "1", hanging_process)
     monkeypatch.setitem(gpu_session.PARTS, "3a", running_on)
     monkeypatch.setitem(gpu_session.PARTS, "3b", lambda s: dict(summary="ran"))
+    monkeypatch.setattr(gpu_session, "settings", on_the_gpus_schedule)
     begin = time.monotonic()
     gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "1,3a,3b", "--shared", str(tmp_path / "no")])
     assert time.monotonic() - begin < 4
     _, rows = rows_of(tmp_path)
     by_part = {row["part"]: row for row in rows}
-    assert [row["part"] for row in rows] == ["3a", "3b", "1"]
+    assert [row["part"] for row in rows] == ["3a", "1", "3b"]
     assert by_part["3a"]["status"] == "stopped" and 0.3 < by_part["3a"]["seconds"] < 1.2
     assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\)", by_part["3a"]["summary"])
     assert by_part["3b"]["status"] == "ok" and by_part["3b"]["summary"] == "ran"
+    assert by_part["1"]["clock_s"] <= by_part["3b"]["clock_s"] < by_part["1"]["clock_s"] + 0.5
     assert by_part["1"]["status"] == "stopped" and 1.1 < by_part["1"]["seconds"] < 2.5
     assert re.match(r"stopped at 1 s \(estimate 1 s\): what it wrote is in cuda_tests.log", by_part["1"]["summary"])
     pid = int(grandchild.read_text())
