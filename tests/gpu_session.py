@@ -560,8 +560,10 @@ def part_episodes(s):
                        f"{shown(bf16['graph']['apart'], '{:.1e}')} apart")
         numbers.update(bf16=bf16)
     # the run's decode (graph + compile) where 3a compiled it in this process; else the graph uncompiled, not a
-    # minute's compile inside this part (a second call: --parts 6a,6b,6d)
-    label, decode, compiled = s.modes[0] if "decode_compile_s" in s.numbers.get("3a", {}) or not s.cuda else \
+    # minute's compile inside this part (a second call: --parts 6a,6b,6d). On the CPU the plumbing alone, in the
+    # dynamic decode (the static one's steps through the flash stand-in take seconds; checked with forced tokens above)
+    label, decode, compiled = ("dynamic (the CPU's: the plumbing alone)", "dynamic", False) if not s.cuda else \
+        s.modes[0] if "decode_compile_s" in s.numbers.get("3a", {}) else \
         ("graph (not compiled: 3a did not run)", "graph", False)
     ours.use_compile = compiled
     rates = bench_gpu.episode_rollouts(g, ours, s.prompts, decode, g.new_tokens if s.cuda else 140, warm=s.cuda)
