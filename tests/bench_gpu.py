@@ -35,6 +35,7 @@ import copy
 import gc
 import os
 import sys
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -43,9 +44,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 import model as model_module  # noqa: E402
-from bench_shared import PEAK_BF16_TFLOPS, describe, gsm8k_reply_lengths, stopping_at  # noqa: E402
+from bench_shared import PEAK_BF16_TFLOPS, describe, gsm8k_reply_lengths, placed_at, stopping_at  # noqa: E402
 from bench_shared import timed  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate  # noqa: E402
+from tasks import Attempts, episode_responder  # noqa: E402
+from tasks.gsm8k import calculator  # noqa: E402
 from tasks.sort import Sort  # noqa: E402
 
 SHAPES = {  # nanochat's depth-d models: width 64 * d, heads of 128 channels
@@ -339,6 +342,117 @@ def real_length_rollouts(bench, model, prompts, lengths, bandwidth, prefill_seco
               f"(the weights once a step, the running rows' filled cache) = {bound / decode_seconds:.0%}")
     model.use_compile = bench.cuda
     return results
+
+
+# -----------------------------------------------------------------------------
+# Episodes and tools: the forced tokens of an environment's turn and a tool's output, in every decode mode
+
+def answering_tool(code):
+    """GSM8K's calculator where a python block is arithmetic; else the block's length (a random model's blocks are
+    not): every block is answered, so that a tool's output is forced in every row that closes one."""
+    result = calculator(code)
+    return result if result is not None else str(len(code))
+
+
+def again(tokenizer, turns):
+    """respond: each row is answered "again" until it has ended `turns` turns."""
+    return lambda row, tokens, mask: "again" if tokens.count(tokenizer.assistant_end) < turns else None
+
+
+def placed_tokens(tokenizer):
+    return tokenizer.python_start, tokenizer.python_end, tokenizer.assistant_end  # marks 1, 2, 3 of placed_at
+
+
+def tool_and_turn_marks(rows, new_tokens, seed=0):
+    """-> marks for placed_at: in each row a python block opened in its first columns and closed 2-4 later (the tool
+    answers it: 3-4 forced columns), then three ends of turn 12-16 columns apart (past again's 8 forced columns), each
+    row at its own columns, so that rows end their episodes at different steps. new_tokens: at least 58."""
+    gaps = torch.randint(0, 10, (rows, 5), generator=torch.Generator().manual_seed(seed))
+    columns = torch.stack([1 + gaps[:, 0] % 4, 3 + gaps[:, 1] % 3, 12 + gaps[:, 2] % 5, 12 + gaps[:, 3] % 5,
+                           12 + gaps[:, 4] % 5], 1).cumsum(1)  # [rows, 5]: open, close, three ends of turn
+    assert int(columns.max()) < new_tokens, "too few columns for a python block and three turns"
+    marks = torch.zeros(rows, new_tokens, dtype=torch.long)
+    marks.scatter_(1, columns, torch.tensor([1, 2, 3, 3, 3]).expand(rows, 5))
+    return marks
+
+
+def decodes_compared(model, tokenizer, prompts, samples, new_tokens, decodes, reference="dynamic", autocast=None):
+    """The episode and tool paths of each decode against the reference decode's, eager: every row opens and closes
+    a python block (answering_tool answers it) and ends three turns (the first two answered, tool_and_turn_marks).
+    -> dict: rows (all of them), forced (the reference's forced columns), and for each decode: equal (rows whose
+    tokens, masks, lengths and truncation are the reference's), apart (their log-probs' largest distance from its,
+    None where no row is equal); with no autocast also exact: the reference's own largest distance from a float64
+    copy's dynamic decode (its rounding)."""
+    marks = tool_and_turn_marks(len(prompts) * samples, new_tokens)
+
+    def call(m, decode):
+        with placed_at(marks, placed_tokens(tokenizer), tokenizer.vocab_size), autocast or nullcontext():
+            return generate(m, tokenizer, prompts, samples, new_tokens, top_k=50, seed=3, tool=answering_tool,
+                            decode=decode, respond=again(tokenizer, 3))
+    compiled, model.use_compile = model.use_compile, False  # eager: a compiled step of this dtype would compile anew
+    try:
+        dynamic = call(model, reference)
+        results = {decode: call(model, decode) for decode in decodes}
+    finally:
+        model.use_compile = compiled
+    written = torch.arange(new_tokens)[None] < dynamic["lengths"][:, None]
+    out = dict(rows=len(marks), forced=int((written & (dynamic["mask"] == 0)).sum()))
+    keys = ("tokens", "mask", "lengths", "truncated")
+    for decode, result in results.items():
+        equal = torch.stack([(result[k] == dynamic[k]).reshape(len(marks), -1).all(1) for k in keys]).all(0)
+        apart = (result["logprobs"] - dynamic["logprobs"])[equal].abs().max().item() if equal.any() else None
+        out[decode] = dict(equal=int(equal.sum()), apart=apart)
+    if autocast is None:
+        exact = call(copy.deepcopy(model).double(), "dynamic")
+        same = torch.stack([(exact[k] == dynamic[k]).reshape(len(marks), -1).all(1) for k in keys]).all(0)
+        out["exact"] = (exact["logprobs"] - dynamic["logprobs"])[same].abs().max().item() if same.any() else None
+    return out
+
+
+def attempts_marks(rows, new_tokens, message, seed=0):
+    """-> (marks for placed_at: three ends of turn a row, the environment's message of `message` columns forced
+    after each of the first two; the row's length, its last end + 1)."""
+    room = new_tokens - 2 * message - 3  # the three turns' sampled columns
+    assert room >= 30, f"{new_tokens} columns do not hold three turns and two messages of {message}"
+    draws = torch.rand(rows, 3, generator=torch.Generator().manual_seed(seed))
+    turns = (10 + draws * (room // 3 - 10)).long()  # [rows, 3]: each turn's sampled columns, 10 or more
+    ends = (turns + torch.tensor([0, message, message])).cumsum(1) + torch.arange(3)  # their ends' columns
+    marks = torch.zeros(rows, new_tokens, dtype=torch.long)
+    marks.scatter_(1, ends, 3)
+    return marks, ends[:, -1] + 1
+
+
+class NeverRight:
+    """A task no reply gets right (a random model's): Attempts answers each of its first two turns."""
+    def evaluate(self, conversation, reply):
+        return False
+
+
+def episode_rollouts(bench, model, prompts, decode, new_tokens, warm=True):
+    """A batch of 3-attempt episodes (grpo.py's --attempts 3 on a task never answered right: "Your answer is wrong.
+    Try again (K attempts left)." forced after the first two turns) against a single-turn batch whose replies end
+    where the episodes do (the same columns a row). Each call twice, the second timed (warm), or once. -> dict:
+    tokens (a call's columns), single_s, episodes_s, turns (ends of turn in the episodes), forced (their messages'
+    columns)."""
+    rows, tok = len(prompts) * bench.samples, bench.tokenizer
+    message = len(tok.encode("Your answer is wrong. Try again (2 attempts left).")) + 3  # user start, end, assistant
+    marks, lengths = attempts_marks(rows, new_tokens, message)
+    respond = episode_responder(Attempts(NeverRight(), 3), tok, [{}] * len(prompts), bench.samples, max_turns=3)
+    single = marks * (torch.arange(new_tokens)[None] == (lengths - 1)[:, None])  # the last end alone
+    out = {}
+    for label, placed, answer in (("single", single, None), ("episodes", marks, respond)):
+        for _ in range(1 + warm):  # the first: each batch size's step captured (and compiled), the allocator warmed
+            with placed_at(placed, placed_tokens(tok), tok.vocab_size), bench.autocast:
+                samples, seconds = timed(lambda: generate(model, tok, prompts, bench.samples, new_tokens,
+                                                          temperature=1.0, top_k=50, seed=0, decode=decode,
+                                                          respond=answer), bench.cuda)
+        assert torch.equal(samples["lengths"], lengths), f"{label}: the rows did not end where they were told to"
+        out[f"{label}_s"] = seconds
+        if answer is not None:
+            out["turns"] = int((samples["tokens"] == tok.assistant_end).sum())
+            out["forced"] = int(((samples["mask"] == 0) & (torch.arange(new_tokens)[None] < lengths[:, None])).sum())
+    out["tokens"] = int(lengths.sum())
+    return out
 
 
 def steps(bench, model, prompts):

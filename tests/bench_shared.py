@@ -71,6 +71,37 @@ def stopping_at(lengths, stop_token):
 
 
 @contextmanager
+def placed_at(marks, tokens, vocab):
+    """generate() puts tokens[k - 1] where marks [N, new tokens] (prompt-major rows, as it returns them) holds k > 0,
+    as if it had sampled it (mask 1: a python block's end calls the tool, an <|assistant_end|> ends a turn), and
+    samples as it would elsewhere, an id past the tokenizer's `vocab` (a random model's head is wider: the tool and
+    the environment decode the reply) folded into it, id % vocab; a column the tool or the environment forces stays
+    theirs. As stopping_at: each
+    row's noise marked (1 + k, outside the sampler's [0, 1)), per row, captured or not (the placed ids are
+    constants of the step, no tensor copied into a graph)."""
+    rand, sample_tokens = torch.rand, model_module.sample_tokens
+    rows_seen = [0]
+
+    def marked_rand(*shape, generator=None, **kwargs):  # generate draws one [G, new tokens] block per prompt
+        noise = rand(*shape, generator=generator, **kwargs)
+        block = marks[rows_seen[0]:rows_seen[0] + shape[0], :shape[1]]
+        rows_seen[0] += shape[0]
+        return torch.where(block > 0, 1.0 + block, noise)
+
+    def place_where_marked(raw_logits, temperature, top_k, uniform, softcap):
+        token, logprob = sample_tokens(raw_logits, temperature, top_k, torch.where(uniform > 1, 0.5, uniform), softcap)
+        token = torch.where(token >= vocab, token % vocab, token)
+        for k, placed in enumerate(tokens, 1):
+            token = torch.where(uniform == 1 + k, placed, token)
+        return token, logprob
+    torch.rand, model_module.sample_tokens = marked_rand, place_where_marked
+    try:
+        yield
+    finally:
+        torch.rand, model_module.sample_tokens = rand, sample_tokens
+
+
+@contextmanager
 def engine_stopping_at(engine_module, stop_token):
     """nanochat's Engine: -> set(lengths), which makes the next generate call's rows end with the stop token at these
     lengths (its sampling function wrapped: it samples as before, then the stop token goes where a row ends)."""

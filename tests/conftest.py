@@ -54,12 +54,17 @@ def runs_on_the_cpu(request, monkeypatch):
 
 def repository_files():
     """path -> (mtime, size) of each file in the repository, but in Python's caches (__pycache__), hidden folders
-    (.git, .pytest_cache, pytest-benchmark's .benchmarks) and virtual environments (pyvenv.cfg): what a test may not
-    change."""
-    found = {}
+    (.git, .pytest_cache, pytest-benchmark's .benchmarks), virtual environments (pyvenv.cfg) and the GPU session's
+    --out ($NANOGRPO_SESSION_OUT: tests/gpu_session.py runs the CUDA tests while it writes its rows there, which may
+    be inside the repository): what a test may not change."""
+    found, session_out = {}, os.environ.get("NANOGRPO_SESSION_OUT")
+    session_out = os.path.realpath(session_out) if session_out else None
+
+    def left_out(path):
+        return os.path.basename(path).startswith(".") or os.path.basename(path) == "__pycache__" or \
+            os.path.isfile(os.path.join(path, "pyvenv.cfg")) or session_out and os.path.realpath(path) == session_out
     for folder, subfolders, files in os.walk(ROOT):
-        subfolders[:] = [name for name in subfolders if not (name.startswith(".") or name == "__pycache__" or
-                                                            os.path.isfile(os.path.join(folder, name, "pyvenv.cfg")))]
+        subfolders[:] = [name for name in subfolders if not left_out(os.path.join(folder, name))]
         for name in files:
             path = os.path.join(folder, name)
             try:

@@ -8,7 +8,7 @@ measured.
     python3 tests/gpu_session.py --out DIR            # there: every part that fits --budget-s (540 s)
     python tests/gpu_session.py --plan                # each part's expected seconds on a GPU, and its source
     python tests/gpu_session.py --smoke --out DIR     # every part at tiny shapes on the CPU (the suite runs it)
-    python3 tests/gpu_session.py --out DIR --parts 6b,6c   # some parts (a second call on a warm machine, say)
+    python3 tests/gpu_session.py --out DIR --parts 6a,6b,6d --budget-s 120   # a second call on the warm machine
 
 The device tool's call, ready to paste, is in docs/performance.md. Parts, in priority order (PLAN holds each one's
 expected seconds and where that number comes from):
@@ -23,24 +23,39 @@ expected seconds and where that number comes from):
      plan, the top kernels;
  5a  nanochat's chat_rl update loop and our `reinforce` update on the same rows (3b's real-length replies);
  5b  nanochat's base_train step on the same model, compiled (the ceiling of its training speed here);
- 6a  the d20 self-check, eager; 6b the other decode modes and one prompt a call; 6c the d20 self-check compiled.
+ 6a  the d20 self-check, eager; 6b the other decode modes and one prompt a call; 6c the d20 self-check compiled;
+ 6d  episodes and a tool: forced tokens (an environment's turn, a tool's output) in the captured and the static
+     decode against the dynamic one, and a batch of 3-attempt episodes' rollouts against a single-turn batch.
 A part is skipped, with a row saying so, when its expected seconds exceed what is left of the budget; one that
-fails writes its error's line and the next part runs. --smoke runs every part on the CPU at tiny shapes: eager
-(compiling on a CPU takes minutes: 6c is skipped), the flash kernels through their strict stand-ins
-(tests/kernels.py), the main command in float32 with --self-check.
+fails writes its error's line and the next part runs. Each part runs in a thread of its own (1 and 2: a process
+group too) under its own deadline, MARGIN x its expected seconds (SMOKE_MARGIN x with --smoke), at most what is
+left of the budget: at its deadline a process part's group is killed, an in-process part is stopped at its next
+line of Python (Stopped raised in its thread); its row says "stopped at N s (estimate M s)" and the next part
+starts. A part that a stop does not end (a call in C that never returns) is left behind after STOP_GRACE, its row
+saying so. A timed part (3b on) on the GPU waits for parts 1 and 2, which share the GPU, each at most until its
+deadline; 3a, 6a and 6c wait for nothing.
+--smoke runs every part on the CPU at tiny shapes: eager (compiling on a CPU takes minutes: 6c is skipped), the
+flash kernels through their strict stand-ins (tests/kernels.py), the main command in float32 with --self-check.
 
 The budget's clock starts with the process (before torch's import), so --budget-s counts the imports and CUDA's
-start too (STARTUP in the plan). What it cannot cut: a part in this process that runs past its expected seconds
-runs on (a compile or a kernel is not stopped half-way; parts 1 and 2, processes of their own, are stopped at the
-budget's end). The 60 s between --budget-s 540 and the device tool's 600 s limit are the margin for that overrun
-and the interpreter's exit.
+start too (STARTUP in the plan). A watchdog, a process of its own (tests/session_watchdog.py: it acts even where a
+hung call holds this process's interpreter), ends the session WATCHDOG_AFTER seconds past the budget (560 s for the
+default 540, 40 s before the device tool's 600 s limit): it kills it and its parts' process groups, and writes a
+row for each part it did not hear the end of and a line naming the part that was running. A second call gets
+--budget-s of what the lend has left less 60 s (docs/performance.md).
+
+--out may be anywhere, inside the checkout too: part 1's tests are told to leave it out of their check that no test
+writes into the repository (NANOGRPO_SESSION_OUT, tests/conftest.py), since this process writes rows there beside
+them.
 """
 import argparse
+import ctypes
 import datetime
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,6 +75,7 @@ import torch  # noqa: E402
 
 import bench_gpu  # noqa: E402
 import bench_vs_nanochat  # noqa: E402
+import model as model_module  # noqa: E402
 from bench_shared import stopping_at, timed  # noqa: E402
 from kernels import flash_on_the_cpu  # noqa: E402
 
@@ -71,6 +87,7 @@ NANOCHAT = os.path.join("peers", "nanochat")
 CARRIED = (GSM8K, FIXTURE, os.path.join(NANOCHAT, "nanochat"), os.path.join(NANOCHAT, "LICENSE"))
 SHARED = os.path.join(ROOT, "..", "shared")
 PREPARED = os.path.join(ROOT, ".gpu")  # where --prepare lays it out by default: ignored, carried
+WATCHDOG = os.path.join(TESTS, "session_watchdog.py")
 
 # Each part: id, what, expected seconds on one H100 or H200, on the 2-core CPU with --smoke (beside other work,
 # 2026-11-27: parts 1 and 2 are processes importing torch beside this one), and where the GPU number comes from
@@ -94,16 +111,32 @@ PLAN = [
     ("6b", "the other decode modes, one prompt a call", 40, 1,
      "graph / static / dynamic 2.1 / 4.9 / 5.2 s a call, one prompt a call 12.5 s (H100, 2026-11-24), warm-ups"),
     ("6c", "the d20 self-check, compiled", 140, 0, "135.8 s with its compile (H200, 2026-11-26)"),
+    ("6d", "episodes and a tool in the decodes, d20", 45, 3,
+     "estimate: 3 float32 calls of 64 rows x 96 tokens, eager, a float64 one and 2 in bf16; 2 x 2 calls of 256 rows "
+     "x 256 tokens, graph + compile (2.1 s a call, H100, 2026-11-24)"),
 ]
 STARTUP = (5, 6, "estimate: importing torch, dynamo (through nanochat's code) and the benches 3-4 s on the CPU, "
            "CUDA's start; the header's startup_s measures it")  # before the first part: GPU, --smoke seconds
 WHAT = {part: what for part, what, *_ in PLAN}
-BACKGROUND = ("1", "2")  # processes of their own, beside 3a; every later part waits for them, so nothing is timed
-# beside them
+BACKGROUND = ("1", "2")  # processes of their own, beside 3a
+UNTIMED = ("3a", "6a", "6c")  # what they measure is not a speed: on the GPU the others wait for 1 and 2 (which share
+# it), each at most until its deadline
+MARGIN = 1.5  # a part is stopped at MARGIN x its expected seconds (at most what is left of the budget): the GPU
+# numbers the estimates come from vary by a third between machines and days (the decode's compile: 59 / 86 s)
+SMOKE_MARGIN = 5.0  # --smoke's: the 2-core CPU's seconds vary 3x with what else it runs (docs/performance.md)
+STOP_GRACE = 10.0  # seconds a stopped part has to end (a kernel, a compile's step) before it is left behind
+WATCHDOG_AFTER = 20.0  # the watchdog ends the session this long after the budget: a part stopped at the budget's
+# end has had its STOP_GRACE, the interpreter its exit
+TICK = 0.05  # how often the session looks at its parts' deadlines
 
 
 def expected(part, smoke):
     return next(row[3 if smoke else 2] for row in PLAN if row[0] == part)
+
+
+def deadline(part, smoke):
+    """A part's seconds before it is stopped (less where the budget has less left when it starts)."""
+    return (SMOKE_MARGIN if smoke else MARGIN) * expected(part, smoke)
 
 
 def timeline(budget, smoke, parts=WHAT):
@@ -130,12 +163,15 @@ def print_plan(budget, smoke):
     print(f"expected seconds a part {where}, budget {budget:.0f} s; the start-up {STARTUP[1 if smoke else 0]} s"
           f"{'' if smoke else ': ' + STARTUP[2]}")
     for part, seconds, end, fits in rows:
-        print(f"  {part:3s} {seconds:4.0f} s, ends at {end:4.0f} s {'' if fits else '(if time is left) '}"
-              f"{WHAT[part]}: {'' if smoke else sources[part]}")
+        print(f"  {part:3s} {seconds:4.0f} s (stopped past {deadline(part, smoke):3.0f} s), ends at {end:4.0f} s "
+              f"{'' if fits else '(if time is left) '}{WHAT[part]}: {'' if smoke else sources[part]}")
     planned = [(part, end) for part, _, end, fits in rows if fits]
     print(f"planned: {', '.join(part for part, _ in planned) or 'none'}, ending at "
           f"{max((end for _, end in planned), default=0):.0f} s; if time is left: "
           f"{', '.join(part for part, *_, fits in rows if not fits) or 'none'}")
+    print(f"each part is stopped at {SMOKE_MARGIN if smoke else MARGIN:g}x its expected seconds, or where the budget "
+          f"ends if sooner; the watchdog ends the session at {budget + WATCHDOG_AFTER:.0f} s (the budget + "
+          f"{WATCHDOG_AFTER:.0f} s): give the device call a timeout_s of {budget + WATCHDOG_AFTER + 40:.0f} s or more")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,6 +195,32 @@ def record(s, part, status, seconds, summary, **numbers):
     print(f"[{part}] {status} in {seconds:.0f} s: {summary}", flush=True)
 
 
+def finish(s, part, status, seconds, summary, **numbers):
+    """Records a part's last row, once: a part left behind may still return after its row is written (and a stop
+    may land while it writes its own). Tells the watchdog it ended."""
+    with s.lock:
+        if part in s.finished:
+            return
+        s.finished.add(part)
+    s.numbers[part] = numbers
+    record(s, part, status, seconds, summary, **numbers)
+    tell_watchdog(s, end=part)
+
+
+def stopped_at(s, part, when=None):
+    """A stopped part's summary: seconds from its start to its stop (now, unless when), and its estimate."""
+    when = clock(s) if when is None else when
+    return f"stopped at {when - s.runs[part].begin:.0f} s (estimate {expected(part, s.smoke):.0f} s)"
+
+
+def clock(s):
+    return time.monotonic() - s.start
+
+
+def inside(path, folder):
+    return not os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).startswith("..")
+
+
 def command_output(argv):
     try:
         return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip() or None
@@ -179,14 +241,18 @@ def source_commit(s):
 def header(s):
     driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if s.cuda else "-"
     info = dict(device=s.gpu.name, driver=driver or "unknown", torch=torch.__version__, cuda=torch.version.cuda,
-                commit=source_commit(s), budget_s=s.budget, smoke=s.smoke,
+                commit=source_commit(s), budget_s=s.budget, watchdog_s=s.budget + WATCHDOG_AFTER, smoke=s.smoke,
+                out=os.path.abspath(s.out), out_in_checkout=inside(s.out, ROOT),
                 startup_s=round(time.monotonic() - s.start, 1),
                 started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with s.lock:
         append(os.path.join(s.out, "results.jsonl"), json.dumps(dict(session=info)) + "\n")
         append(os.path.join(s.out, "results.md"), f"\n## GPU session, {info['started']}\n\n{info['device']}, driver "
                f"{info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit {info['commit']}; budget "
-               f"{s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, CUDA)"
+               f"{s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, CUDA), the watchdog at "
+               f"{info['watchdog_s']:.0f} s; each part stopped at {SMOKE_MARGIN if s.smoke else MARGIN:g}x its "
+               f"estimate; out {info['out']}"
+               f"{' (inside the checkout)' if info['out_in_checkout'] else ''}"
                f"{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
                "seconds |\n| --- | --- | --- | --- | ---: |\n")
     print(f"session: {info}", flush=True)
@@ -195,26 +261,35 @@ def header(s):
 # ----------------------------------------------------------------------------------------------------------------
 # Parts 1 and 2: processes of their own
 
-def run_logged(s, argv, log, env=None):
+def run_logged(s, part, argv, log, env=None):
     """-> (exit status, output lines) of argv run from the repository's root, its output going to DIR/log as it
-    comes; stopped at the end of the budget (status None)."""
+    comes; in a process group of its own (pytest's, grpo.py's compile workers), killed whole at the part's deadline
+    (status None) or when the part is stopped. A group, not a session: the device tool ends what a call leaves."""
     path = os.path.join(s.out, log)
     with open(path, "w", encoding="utf-8") as out:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
-        try:
-            status = process.wait(timeout=max(1.0, s.budget - (time.monotonic() - s.start)))
+                                   env={**os.environ, **(env or {})}, process_group=0)
+        tell_watchdog(s, group=process.pid)
+        status = None
+        try:  # a wait with a timeout polls in Python, where a stop lands; without one it would block in C
+            status = process.wait(timeout=max(0.0, s.runs[part].deadline - clock(s)))
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            status = None
+            pass
+        finally:  # the group killed whole, what its leader left running too
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # none of it left
+                pass
+            if status is None:
+                process.wait()
+            tell_watchdog(s, ungroup=process.pid)
     return status, open(path, encoding="utf-8", errors="replace").read().splitlines()
 
 
-def outcome(s, status, log):
-    """-> (a process part's status, and its summary where it was cut or failed without its line)."""
+def outcome(s, part, status, log):
+    """-> (a process part's status, and its summary where it was stopped or failed without its line)."""
     if status is None:
-        return "cut at the budget", f"stopped at the budget's end ({s.budget:.0f} s): what it wrote is in {log}"
+        return "stopped", f"{stopped_at(s, part)}: what it wrote is in {log}"
     return ("ok" if status == 0 else "failed"), f"exit status {status}, no summary line: see {log}"
 
 
@@ -227,16 +302,19 @@ def cuda_test_files():
 def part_cuda_tests(s):
     # pytest's plugins found by their entry points stay out: the CUDA tests use none, and loading them (hypothesis)
     # costs seconds of a process that runs beside the timed parts' start
-    env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # NANOGRPO_SESSION_OUT: this process writes its rows into --out beside the tests, which the suite's check that no
+    # test writes into the repository must not count where --out is inside it (tests/conftest.py)
+    env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               NANOGRPO_SESSION_OUT=os.path.abspath(s.out))
     if s.smoke:  # the plumbing alone: the tests skip without a GPU (one thread: see part 2)
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    status, lines = run_logged(s, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                                   *cuda_test_files()], "cuda_tests.log", env)
+    status, lines = run_logged(s, "1", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                        *cuda_test_files()], "cuda_tests.log", env)
     last = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
     counts = {word.rstrip("s"): int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    status, otherwise = outcome(s, status, "cuda_tests.log")
-    summary = (last.strip("= ") if last and status != "cut at the budget" else otherwise) + \
+    status, otherwise = outcome(s, "1", status, "cuda_tests.log")
+    summary = (last.strip("= ") if last and status != "stopped" else otherwise) + \
         "".join(f"; {line}" for line in failed)
     return dict(status=status, summary=summary, counts=counts, failed=failed)
 
@@ -252,15 +330,16 @@ def part_main_command(s):
                 "--max-new-tokens", "8", "--threads", "1"]
     runs = tempfile.mkdtemp(prefix="gpu_session_runs_")  # a run's checkpoints stay out of DIR
     try:
-        status, lines = run_logged(s, [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
-                                       "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0", "--runs-dir",
-                                       runs, "--run-name", "gpu-session"] + size, "main_command.log")
+        status, lines = run_logged(s, "2", [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
+                                            "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0",
+                                            "--runs-dir", runs, "--run-name", "gpu-session"] + size,
+                                   "main_command.log")
     finally:
         shutil.rmtree(runs, ignore_errors=True)
     check = next((line for line in lines if line.startswith(("self-check:", "error:"))), None)
     steps = [line for line in lines if line.startswith("step ")]
-    exit_status, (status, otherwise) = status, outcome(s, status, "main_command.log")
-    cut = otherwise if status == "cut at the budget" else None
+    exit_status, (status, otherwise) = status, outcome(s, "2", status, "main_command.log")
+    cut = otherwise if status == "stopped" else None
     return dict(status=status, summary=" / ".join(filter(None, [cut, check or "no self-check line", *steps[-1:]])),
                 self_check=check, steps=steps, exit_status=exit_status)
 
@@ -278,6 +357,39 @@ def models(s):
             s.ours = bench_gpu.random_model(s.gpu, s.vs.shape)
         s.ours.eval()
     return s.theirs, s.ours
+
+
+def their_attention(s):
+    """-> the attention nanochat ran in this process, and its compute dtype. Its FA3 comes from the `kernels` package
+    (a hub that fetches the kernel), imported by that name: in this process `kernels` is tests/kernels.py, the
+    suite's stand-ins, first on the path, so nanochat falls back to PyTorch's SDPA here, whatever the machine has
+    (tests/bench_vs_nanochat.py run alone says which it got)."""
+    attention, common = s.vs.nc.flash_attention, sys.modules["nanochat.common"]
+    dtype = str(common.COMPUTE_DTYPE).replace("torch.", "")
+    if getattr(attention, "USE_FA3", attention.HAS_FA3):
+        return f"FA3, {dtype}"
+    shadowed = os.path.dirname(getattr(sys.modules.get("kernels"), "__file__", None) or "") == TESTS
+    return f"SDPA ({'tests/kernels.py shadows the package FA3 comes from' if shadowed else 'no FA3'}), {dtype}"
+
+
+def kind(attention):
+    """-> an attention's name alone (its why and dtype left out): a ratio's label."""
+    return attention.split(",")[0].split(" (")[0]
+
+
+def our_attention(decode):
+    """-> the attention our model ran (bf16 autocast, as a run's): torch's flash varlen_attn (packed passes; the
+    static decode step over each row's written columns), its strict CPU stand-in (--smoke), or SDPA (a decode step
+    the flash kernel refused reads the whole cache, masked; no varlen_attn in this torch)."""
+    if decode and model_module.DECODE_FLASH["failed"]:
+        name = "SDPA (masked: the flash kernel refused the decode step)"
+    elif model_module.varlen_attn is None:
+        name = "SDPA"
+    elif getattr(model_module.varlen_attn, "__module__", None) == "kernels":
+        name = "varlen stand-in (tests/kernels.py)"
+    else:
+        name = "varlen (flash)"
+    return f"{name}, bf16 autocast"
 
 
 def part_models(s):
@@ -317,11 +429,14 @@ def part_rollouts(s):
             some = s.prompts[:s.engine_prompts]
             _, their_seconds = bench_vs_nanochat.engine_rollouts(s.vs, theirs, some, s.lengths)
             theirs_rate = int(s.lengths[:len(some) * g.samples].sum()) / their_seconds
+            theirs_ran, ours_ran = their_attention(s), our_attention(decode=True)
             numbers.update(engine_tokens_s=theirs_rate, engine_s=their_seconds,
-                           ours_over_engine=real / call / theirs_rate)
+                           ours_over_engine=real / call / theirs_rate, their_attention=theirs_ran,
+                           our_attention=ours_ran)
             questions = f"{len(some)} question{'s' * (len(some) != 1)}"
-            summary.append(f"nanochat's Engine ({questions}) {theirs_rate:,.0f} tokens/s: ours "
-                           f"{real / call / theirs_rate:.1f}x")
+            summary.append(f"nanochat's Engine ({questions}; {theirs_ran}) {theirs_rate:,.0f} tokens/s: ours "
+                           f"({ours_ran}) {real / call / theirs_rate:.1f}x, {kind(ours_ran)} against "
+                           f"{kind(theirs_ran)}")
     return dict(summary="; ".join(summary), **numbers)
 
 
@@ -375,9 +490,12 @@ def part_vs_chat_rl(s):
     rows = bench_vs_nanochat.engine_rows(vs, s.real_samples, s.prompts)
     their_s, our_s, real = bench_vs_nanochat.update_side_by_side(vs, theirs, ours, s.prompts, rows,
                                                                  s.tokens_per_pass)
-    return dict(summary=f"{len(rows)} rows, {real} tokens: chat_rl.py's loop {their_s:.2f} s ({real / their_s:,.0f} "
-                        f"tokens/s), our reinforce update {our_s:.2f} s: {their_s / our_s:.1f}x",
-                chat_rl_s=their_s, ours_s=our_s, tokens=real, ratio=their_s / our_s)
+    theirs_ran, ours_ran = their_attention(s), our_attention(decode=False)
+    return dict(summary=f"{len(rows)} rows, {real} tokens: chat_rl.py's loop ({theirs_ran}) {their_s:.2f} s "
+                        f"({real / their_s:,.0f} tokens/s), our reinforce update ({ours_ran}) {our_s:.2f} s: "
+                        f"{their_s / our_s:.1f}x, {kind(ours_ran)} against {kind(theirs_ran)}",
+                chat_rl_s=their_s, ours_s=our_s, tokens=real, ratio=their_s / our_s, their_attention=theirs_ran,
+                our_attention=ours_ran)
 
 
 def part_vs_base_train(s):
@@ -391,10 +509,13 @@ def part_vs_base_train(s):
     finally:
         theirs.cpu()
         ours.to(s.device)
-    ratio = "" if mfu is None or s.update_mfu is None else f"; our reinforce update's MFU (4) {s.update_mfu / mfu:.2f}x"
-    return dict(summary=f"{vs.pretrain_rows} rows of {vs.seq_len}: {tokens_s:,.0f} tokens/s, MFU "
+    theirs_ran, ours_ran = their_attention(s), our_attention(decode=False)
+    ratio = "" if mfu is None or s.update_mfu is None else \
+        f"; our reinforce update's MFU (4; {ours_ran}) {s.update_mfu / mfu:.2f}x, " \
+        f"{kind(ours_ran)} against {kind(theirs_ran)}"
+    return dict(summary=f"{vs.pretrain_rows} rows of {vs.seq_len} ({theirs_ran}): {tokens_s:,.0f} tokens/s, MFU "
                         f"{shown(mfu, '{:.1%}')}{ratio}; first step (its compile) {first_s:.0f} s",
-                tokens_s=tokens_s, mfu=mfu, first_step_s=first_s)
+                tokens_s=tokens_s, mfu=mfu, first_step_s=first_s, their_attention=theirs_ran, our_attention=ours_ran)
 
 
 def part_self_check(s, compiled):
@@ -415,56 +536,168 @@ def part_decode_modes(s):
     return dict(summary="; ".join(f"{label} {rate:,.0f} tokens/s" for label, rate in rates.items()), tokens_s=rates)
 
 
+def part_episodes(s):
+    g, ours = s.gpu, models(s)[1]
+    # forced tokens in each decode against the dynamic one, in float32 (bf16's rounding would part the sampled tokens
+    # of kernels that sum in another order; the graph replays the static step's kernels, so in bf16 it is compared
+    # with the static decode, bit for bit). On the CPU the graph's step runs uncaptured: the static decode's.
+    prompts, new_tokens = s.prompts[:4], 96 if s.cuda else 60
+    decodes = ("static", "graph") if s.cuda else ("static",)
+    f32 = bench_gpu.decodes_compared(ours, g.tokenizer, prompts, g.samples, new_tokens, decodes)
+    # each decode's own distance from the float64 decode at most twice the dynamic one's: 3x that apart at most
+    bound = None if f32["exact"] is None else 3 * f32["exact"]
+    agree = all(f32[d]["equal"] == f32["rows"] and (bound is None or f32[d]["apart"] <= bound) for d in decodes)
+    summary = [f"respond + tool, {f32['rows']} rows x {new_tokens} ({f32['forced']} forced columns), float32: "
+               + " / ".join(f"{d} {f32[d]['equal']}/{f32['rows']} rows equal, log-probs "
+                            f"{shown(f32[d]['apart'], '{:.1e}')}" for d in decodes)
+               + f" apart (bound {shown(bound, '{:.1e}')}: 3x the dynamic decode's distance from float64)"]
+    numbers = dict(float32=f32)
+    if s.cuda:
+        bf16 = bench_gpu.decodes_compared(ours, g.tokenizer, prompts, g.samples, new_tokens, ("graph",), "static",
+                                          g.autocast)
+        agree &= bf16["graph"]["equal"] == bf16["rows"] and bf16["graph"]["apart"] == 0
+        summary.append(f"bf16: graph vs static {bf16['graph']['equal']}/{bf16['rows']} rows equal, "
+                       f"{shown(bf16['graph']['apart'], '{:.1e}')} apart")
+        numbers.update(bf16=bf16)
+    # the run's decode (graph + compile) where 3a compiled it in this process; else the graph uncompiled, not a
+    # minute's compile inside this part (a second call: --parts 6a,6b,6d). On the CPU the plumbing alone, in the
+    # dynamic decode (the static one's steps through the flash stand-in take seconds; checked with forced tokens above)
+    label, decode, compiled = ("dynamic (the CPU's: the plumbing alone)", "dynamic", False) if not s.cuda else \
+        s.modes[0] if "decode_compile_s" in s.numbers.get("3a", {}) else \
+        ("graph (not compiled: 3a did not run)", "graph", False)
+    ours.use_compile = compiled
+    rates = bench_gpu.episode_rollouts(g, ours, s.prompts, decode, g.new_tokens if s.cuda else 140, warm=s.cuda)
+    single, episodes = (rates["tokens"] / rates[f"{k}_s"] for k in ("single", "episodes"))
+    summary.append(f"{label}: 3-attempt episodes ({rates['turns']} turns, {rates['forced']} forced columns) "
+                   f"{episodes:,.0f} tokens/s against one turn to the same lengths {single:,.0f}: "
+                   f"{rates['episodes_s'] / rates['single_s']:.2f}x the time")
+    numbers.update(episodes_tokens_s=episodes, single_tokens_s=single, **rates)
+    return dict(status="ok" if agree else "failed", summary=("" if agree else "the decodes differ: ") +
+                "; ".join(summary), **numbers)
+
+
 IN_PROCESS = {"3a": part_models, "3b": part_rollouts, "4": part_update, "5a": part_vs_chat_rl,
               "5b": part_vs_base_train, "6a": lambda s: part_self_check(s, False), "6b": part_decode_modes,
-              "6c": lambda s: part_self_check(s, True)}
+              "6c": lambda s: part_self_check(s, True), "6d": part_episodes}
 PARTS = {"1": part_cuda_tests, "2": part_main_command, **IN_PROCESS}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Running the parts: each in a thread under its deadline, the session under the watchdog
+
+class Stopped(BaseException):
+    """Raised in a part's thread at its deadline (a BaseException: the parts' and benches' `except Exception` let
+    it through)."""
+
+
+def stop(thread):
+    """Raises Stopped in the thread at its next line of Python: a call in C (a kernel's wait, a lock) ends first."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Stopped))
+
+
 def run_part(s, part):
-    """Runs one part and records its row (a failure's too: its line, the traceback in DIR/errors.log)."""
-    begin = time.monotonic()
+    """A part's thread: runs it and records its row (a failure's too: its line, the traceback in DIR/errors.log; a
+    stopped one's: when)."""
+    run = s.runs[part]
     try:
-        numbers = PARTS[part](s)
-        status, summary = numbers.pop("status", "ok"), numbers.pop("summary")
-    except Exception as e:  # the next part runs: one part's failure is one finding
-        status, summary, numbers = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", {}
-        with s.lock:
-            append(os.path.join(s.out, "errors.log"), f"part {part}:\n{traceback.format_exc()}\n")
-        if s.cuda:
+        try:
+            numbers = PARTS[part](s)
+            run.returned = True
+            status, summary = numbers.pop("status", "ok"), numbers.pop("summary")
+        except Stopped:
+            status, summary, numbers = "stopped", stopped_at(s, part), {}
+        except Exception as e:  # the next part runs: one part's failure is one finding
+            status, summary, numbers = "failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", {}
+            with s.lock:
+                append(os.path.join(s.out, "errors.log"), f"part {part}:\n{traceback.format_exc()}\n")
+        finish(s, part, status, clock(s) - run.begin, summary, **numbers)
+        if status != "ok" and s.cuda:  # what it held, freed for the next part (a collection: seconds, after the row)
             bench_gpu.free_memory(s.gpu)
-    s.numbers[part] = numbers
-    record(s, part, status, time.monotonic() - begin, summary, **numbers)
+    except Stopped:  # landed in the bookkeeping after the part's end
+        finish(s, part, "stopped", clock(s) - run.begin, stopped_at(s, part))
+    except BaseException as e:  # a kill's stand-in, an interrupt: the session ends with it, as it would in one thread
+        s.raised = e
+    finally:
+        run.ended.set()
 
 
 def fits(s, part):
     """Whether the part's expected seconds fit in what is left of the budget; records it skipped where not."""
-    left, seconds = s.budget - (time.monotonic() - s.start), expected(part, s.smoke)
+    left, seconds = s.budget - clock(s), expected(part, s.smoke)
     if seconds <= left:
         return True
-    record(s, part, "skipped", 0.0, f"not started: none of the budget left ({s.budget:.0f} s spent)" if left <= 0 else
+    finish(s, part, "skipped", 0.0, f"not started: none of the budget left ({s.budget:.0f} s spent)" if left <= 0 else
            f"not started: expected {seconds:.0f} s, {left:.1f} s of the budget left")
     return False
 
 
+def start(s, part):
+    """Starts the part in a thread of its own (a daemon: one left behind does not hold the process's exit), under its
+    deadline: MARGIN x its expected seconds, at most what is left of the budget."""
+    now = clock(s)
+    run = s.runs[part] = SimpleNamespace(begin=now, deadline=now + min(deadline(part, s.smoke), s.budget - now),
+                                         stop_sent=None, returned=False, ended=threading.Event())
+    tell_watchdog(s, start=part, estimate=expected(part, s.smoke))
+    run.thread = threading.Thread(target=run_part, args=(s, part), name=f"part {part}", daemon=True)
+    run.thread.start()
+
+
+def wait_for(s, parts):
+    """Waits until these parts have ended, meanwhile stopping every running part at its deadline (a process part a
+    second later: it kills its own group at its deadline, and reads what its log says). A part that a stop has not
+    ended after STOP_GRACE (a call in C that does not return) gets its row and is left behind."""
+    while True:
+        if s.raised is not None:
+            raise s.raised
+        for part, run in s.runs.items():
+            if run.ended.is_set():
+                continue
+            if run.stop_sent is None and not run.returned and clock(s) >= run.deadline + (part in BACKGROUND):
+                run.stop_sent = clock(s)
+                stop(run.thread)
+            elif run.stop_sent is not None and clock(s) >= run.stop_sent + STOP_GRACE:
+                finish(s, part, "stopped", clock(s) - run.begin, f"{stopped_at(s, part, run.stop_sent)}: it did not "
+                       f"end within {STOP_GRACE:.0f} s of its stop (a call that does not return) and was left behind")
+                s.left_behind.append(part)
+                run.ended.set()
+        if all(s.runs[part].ended.is_set() for part in parts):
+            return
+        time.sleep(TICK)
+
+
+def start_watchdog(s):
+    settings = dict(out=os.path.abspath(s.out), pid=os.getpid(), start=s.start, at=s.start + s.budget + WATCHDOG_AFTER,
+                    budget_s=s.budget, parts=[(part, what) for part, what in WHAT.items() if part in s.parts])
+    # -I -S: the standard library alone, started in milliseconds
+    s.watchdog = subprocess.Popen([sys.executable, "-I", "-S", WATCHDOG, json.dumps(settings)], stdin=subprocess.PIPE,
+                                  text=True)
+
+
+def tell_watchdog(s, **event):
+    with s.lock:
+        try:
+            s.watchdog.stdin.write(json.dumps(event) + "\n")
+            s.watchdog.stdin.flush()
+        except (AttributeError, OSError, ValueError):  # none started (a test's session), or it is gone
+            pass
+
+
 def run_session(s):
     header(s)
-    background = [threading.Thread(target=run_part, args=(s, part)) for part in BACKGROUND
-                  if part in s.parts and fits(s, part)]
-    for thread in background:
-        thread.start()
+    for part in BACKGROUND:
+        if part in s.parts and fits(s, part):
+            start(s, part)
     # on the CPU: the GPU's kernels through their stand-ins (their contracts checked), and nothing compiled (nanochat
     # compiles its optimizer's steps: minutes on a CPU)
     with flash_on_the_cpu() if s.smoke else nullcontext(), \
             torch.compiler.set_stance("force_eager") if s.smoke else nullcontext():
         for part in (p for p in IN_PROCESS if p in s.parts):
-            if part != "3a" and s.cuda:  # nothing is timed beside the background parts
-                for thread in background:
-                    thread.join()
+            if s.cuda and part not in UNTIMED:  # nothing timed beside 1 and 2, on the same GPU
+                wait_for(s, [p for p in BACKGROUND if p in s.runs])
             if fits(s, part):
-                run_part(s, part)
-    for thread in background:
-        thread.join()
+                start(s, part)
+                wait_for(s, [part])
+    wait_for(s, list(s.runs))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -515,7 +748,8 @@ def settings(args, started):
     return SimpleNamespace(out=args.out, shared=args.shared, budget=args.budget_s, smoke=smoke, parts=args.parts,
                            cuda=not smoke, device=gpu.device, gpu=gpu, vs=vs, modes=modes,
                            prompts=bench_gpu.random_prompts(gpu), engine_prompts=1 if smoke else 4,
-                           start=started, lock=threading.Lock(), numbers={}, theirs=None, ours=None,
+                           start=started, lock=threading.Lock(), numbers={}, runs={}, finished=set(),
+                           left_behind=[], raised=None, watchdog=None, theirs=None, ours=None,
                            logits_apart=None, samples=None, real_samples=None, lengths=None, tokens_per_pass=None,
                            update_mfu=None)
 
@@ -552,7 +786,19 @@ def main(argv=None, started=None):
         sys.exit(line)
     if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
         torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
-    run_session(settings(args, started))
+    s = settings(args, started)
+    start_watchdog(s)
+    try:
+        run_session(s)
+    finally:  # the watchdog's end (before a part's re-raised kill, too)
+        try:
+            s.watchdog.stdin.close()
+        except OSError:  # it had ended
+            print(f"note: the watchdog had ended (exit status {s.watchdog.poll()})", flush=True)
+        s.watchdog.wait()
+    if s.left_behind:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
+        print(f"the session ends here, leaving behind part {', '.join(s.left_behind)}", flush=True)
+        os._exit(0)
 
 
 if __name__ == "__main__":

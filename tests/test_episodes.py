@@ -74,6 +74,26 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
     assert (capped > 0) == ("max_turn_tokens" in options)
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_captured_and_static_decodes_force_turns_and_tool_outputs_as_the_dynamic_one():
+    # Forced tokens inside the captured CUDA-graph decode and the halving static one (on the CPU the graph's step
+    # runs uncaptured): every row's python block answered by a tool, then three turns, the first two answered
+    # (tests/bench_gpu.py, as the GPU session's part 6d at d20). In float32 the dynamic decode's tokens, and log-probs
+    # within its own rounding: 3x its distance from a float64 copy's (the other decode's own distance at most twice
+    # it). In bf16 the graph replays the static step's kernels: bit for bit.
+    import bench_gpu
+    model = random_model("smear-backout").cuda()
+    prompts = random_tokens(5, 40, 77)
+    f32 = bench_gpu.decodes_compared(model, TOK, prompts, 4, 60, ("static", "graph"))
+    assert f32["forced"] >= f32["rows"] * (3 + 2 * len(rendered_user_turn("again")))  # a tool's output, two turns
+    for decode in ("static", "graph"):
+        assert f32[decode]["equal"] == f32["rows"], (decode, f32)
+        assert f32[decode]["apart"] <= 3 * f32["exact"], (decode, f32)
+    bf16 = bench_gpu.decodes_compared(model, TOK, prompts, 4, 60, ("graph",), "static",
+                                      torch.autocast("cuda", dtype=torch.bfloat16))
+    assert bf16["forced"] > 0 and bf16["graph"] == dict(equal=bf16["rows"], apart=0.0), bf16
+
+
 def test_rows_whose_task_does_not_answer_sample_what_they_sample_without_an_environment():
     prompts = random_tokens(5, 40, 77)
     model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)

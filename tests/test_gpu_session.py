@@ -1,10 +1,14 @@
 """The one-call GPU session (tests/gpu_session.py), rehearsed on the CPU: every part at tiny shapes (--smoke), the
-plan within 9 minutes, a session cut by its budget or killed keeping the rows it wrote, the device copy's data."""
+plan within 9 minutes, a session cut by its budget or killed keeping the rows it wrote, parts stopped at their
+deadlines and a session ended by its watchdog (stand-in parts on a small time scale), --out inside the checkout,
+the device copy's data."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -42,6 +46,17 @@ def test_the_smoke_session_runs_every_part_on_the_cpu(tmp_path):
     assert set(status.values()) == {"ok"}, rows
     by_part = {row["part"]: row for row in rows}
     assert by_part["1"]["counts"]["skipped"] >= 1  # the CUDA tests found, and skipped without a GPU
+    for part in ("5a", "5b") if have["nanochat"] else ():  # each side's attention and dtype, on the row and its ratio
+        row = by_part[part]
+        assert row["their_attention"].startswith("SDPA") and row["their_attention"].endswith(", float32"), row
+        assert row["our_attention"] == "varlen stand-in (tests/kernels.py), bf16 autocast", row
+        assert f"({row['their_attention']})" in row["summary"]
+    if have["nanochat"]:
+        assert by_part["5a"]["summary"].endswith("x, varlen stand-in against SDPA")
+    episodes = by_part["6d"]["float32"]  # the forced tokens: the static decode samples what the dynamic one does
+    assert episodes["forced"] > 0 and episodes["static"]["equal"] == episodes["rows"]
+    assert episodes["static"]["apart"] <= 3 * episodes["exact"]
+    assert by_part["6d"]["turns"] == 3 * episodes["rows"] and by_part["6d"]["episodes_s"] > 0
     if have["fixture"]:
         assert by_part["2"]["self_check"].startswith("self-check: packed passes vs the plain float32 path")
     assert 0 < by_part["3b"]["decode_share"] and by_part["3b"]["full_tokens_s"] > 0
@@ -54,8 +69,12 @@ def test_the_smoke_session_runs_every_part_on_the_cpu(tmp_path):
 
 def test_the_plan_fits_nine_minutes_and_names_its_sources(capsys):
     gpu_session.main(["--plan"])
-    planned = re.search(r"planned: (.*), ending at (\d+) s", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    planned = re.search(r"planned: (.*), ending at (\d+) s", out)
     assert int(planned[2]) <= 540
+    for part, _, seconds, *_ in gpu_session.PLAN:  # each part's deadline shown: its estimate x the margin
+        assert re.search(rf"\n  {part} +{seconds} s \(stopped past +{gpu_session.MARGIN * seconds:.0f} s\)", out), part
+    assert "the watchdog ends the session at 560 s" in out
     assert planned[1].split(", ")[:7] == ["1", "2", "3a", "3b", "4", "5a", "5b"]  # the priority parts all planned
     timeline = gpu_session.timeline(540, smoke=False)
     assert max(end for *_, end, fits in timeline if fits) == int(planned[2])
@@ -63,7 +82,10 @@ def test_the_plan_fits_nine_minutes_and_names_its_sources(capsys):
         assert seconds > 0 and re.search(r"\d{4}-\d\d-\d\d|estimate", source), part  # an estimate
 
 
-def test_a_session_cut_by_its_budget_keeps_the_parts_it_finished_and_marks_the_rest(tmp_path):
+def test_a_session_cut_by_its_budget_keeps_the_parts_it_finished_and_marks_the_rest(tmp_path, monkeypatch):
+    # 3a's deadline is what is left of the budget: 3a expected to take 10 s, so that it ends well inside
+    monkeypatch.setattr(gpu_session, "PLAN", [(p, w, g, {"3a": 10, "3b": 20, "4": 20}.get(p, c), src)
+                                              for p, w, g, c, src in gpu_session.PLAN])
     first, later = gpu_session.expected("3a", True), min(gpu_session.expected(p, True) for p in ("3b", "4"))
     budget = first + 0.9 * (later - first)  # 3a fits from the start; 3b and 4 fit in no budget left after it
     gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "3a,3b,4", "--budget-s", str(budget),
@@ -147,3 +169,130 @@ def test_the_engines_rows_and_our_replies_are_one_anothers_form(tmp_path):
     back = bench_vs_nanochat.our_samples(bench, rows, prompts)
     for key in ("tokens", "mask", "lengths", "truncated"):
         assert torch.equal(back[key], samples[key]), key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Deadlines and the watchdog, with stand-in parts on a time scale of tenths of a second
+
+def alive(pid):
+    """Whether a process runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def scaled(monkeypatch, seconds):
+    """The plan's --smoke seconds for some parts, each stopped at its own: tenths of a second, not minutes."""
+    monkeypatch.setattr(gpu_session, "PLAN", [(p, w, g, seconds.get(p, c), src) for p, w, g, c, src in
+                                              gpu_session.PLAN])
+    monkeypatch.setattr(gpu_session, "SMOKE_MARGIN", 1.0, raising=False)  # (raising: run on 7103f36, which had none,
+    monkeypatch.setattr(gpu_session, "TICK", 0.01, raising=False)  # it fails on what the session did)
+
+
+def test_parts_past_their_deadlines_are_stopped_and_the_next_part_starts(tmp_path, monkeypatch):
+    # As the GPU schedules them: part 1, a process whose child sleeps on, hangs: its group is killed at its deadline;
+    # 3a (a compile's, timing nothing) runs beside it at once, past its own deadline in Python (as a compile or a loop
+    # of kernels does): it is stopped there; 3b (timed) waits for part 1, until 1's deadline, and runs
+    grandchild = tmp_path / "grandchild"
+    settings = gpu_session.settings
+
+    def on_the_gpus_schedule(*args):
+        s = settings(*args)
+        s.cuda = True  # (the stand-ins time nothing, and the bench stays on the CPU)
+        return s
+
+    def hanging_process(s):
+        status, _ = gpu_session.run_logged(s, "1", ["sh", "-c", f"sleep 30 & echo $! > {grandchild}; sleep 30"],
+                                           "cuda_tests.log")
+        return dict(zip(("status", "summary"), gpu_session.outcome(s, "1", status, "cuda_tests.log")))
+
+    def running_on(s):
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return dict(summary="ran to its end")
+    scaled(monkeypatch, {"1": 1.2, "3a": 0.4, "3b": 0.1})
+    monkeypatch.setitem(gpu_session.PARTS, "1", hanging_process)
+    monkeypatch.setitem(gpu_session.PARTS, "3a", running_on)
+    monkeypatch.setitem(gpu_session.PARTS, "3b", lambda s: dict(summary="ran"))
+    monkeypatch.setattr(gpu_session, "settings", on_the_gpus_schedule)
+    begin = time.monotonic()
+    gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "1,3a,3b", "--shared", str(tmp_path / "no")])
+    assert time.monotonic() - begin < 4
+    _, rows = rows_of(tmp_path)
+    by_part = {row["part"]: row for row in rows}
+    assert [row["part"] for row in rows] == ["3a", "1", "3b"]
+    assert by_part["3a"]["status"] == "stopped" and 0.3 < by_part["3a"]["seconds"] < 1.2
+    assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\)", by_part["3a"]["summary"])
+    assert by_part["3b"]["status"] == "ok" and by_part["3b"]["summary"] == "ran"
+    assert by_part["1"]["clock_s"] <= by_part["3b"]["clock_s"] < by_part["1"]["clock_s"] + 0.5
+    assert by_part["1"]["status"] == "stopped" and 1.1 < by_part["1"]["seconds"] < 2.5
+    assert re.match(r"stopped at 1 s \(estimate 1 s\): what it wrote is in cuda_tests.log", by_part["1"]["summary"])
+    pid = int(grandchild.read_text())
+    for _ in range(100):  # killed with its group; reaped by whoever adopted it
+        if not alive(pid):
+            break
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
+def test_a_session_past_its_watchdog_is_ended_with_its_rows_and_the_running_part_named(tmp_path):
+    # as the device runs it, in a process of its own: 3a hangs in a call that releases the interpreter (a kernel's
+    # wait): stopped, it does not end, and is left behind; 3b runs; 4 hangs in a call that holds the interpreter's
+    # lock, so that no thread of the session runs again: the watchdog, a process, ends the session
+    script = textwrap.dedent(f"""
+        import contextlib, ctypes, sys
+        sys.path[:0] = [{os.path.join(ROOT, "tests")!r}]
+        import gpu_session
+        # nothing compiles here: dynamo's import (2 s) left out
+        gpu_session.torch.compiler.set_stance = lambda stance: contextlib.nullcontext()
+        gpu_session.PLAN = [(p, w, g, dict(zip(("3a", "3b", "4"), (0.3, 0.1, 0.3))).get(p, c), s)
+                            for p, w, g, c, s in gpu_session.PLAN]
+        gpu_session.SMOKE_MARGIN, gpu_session.STOP_GRACE, gpu_session.WATCHDOG_AFTER = 1.0, 0.3, 0.5
+        gpu_session.PARTS.update({{"3a": lambda s: ctypes.CDLL(None).sleep(20), "3b": lambda s: dict(summary="ran"),
+                                  "4": lambda s: ctypes.PyDLL(None).sleep(20)}})
+        gpu_session.main(["--smoke", "--out", {str(tmp_path)!r}, "--parts", "3a,3b,4,5a", "--budget-s", "1.2",
+                          "--shared", {str(tmp_path / "no")!r}])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=15)
+    assert done.returncode == -9, done.stderr[-2000:]  # killed at 1.7 s of its clock, not at the calls' 20 s
+    _, rows = rows_of(tmp_path)
+    assert [(row["part"], row["status"]) for row in rows] == [("3a", "stopped"), ("3b", "ok"), ("4", "stopped"),
+                                                              ("5a", "skipped")]
+    assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\): it did not end within 0 s of its stop \(a call that does "
+                        r"not return\) and was left behind", rows[0]["summary"])
+    assert re.fullmatch(r"stopped at 1 s \(estimate 0 s\): the watchdog ended the session at 2 s", rows[2]["summary"])
+    assert rows[3]["summary"] == "not started: the watchdog ended the session at 2 s"
+    line = "the watchdog ended the session at 2 s, 0.5 s past its budget of 1.2 s, during part 4"
+    assert open(tmp_path / "results.md").read().endswith(f"\n{line}\n") and f"[watchdog] {line}" in done.stdout
+    assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["running"] == ["4"]
+
+
+def test_out_inside_the_checkout_leaves_the_cuda_tests_passing(tmp_path, monkeypatch):
+    # part 1 as on a GPU, where the CUDA tests run under the suite's check that no test writes into the repository,
+    # while this session writes its rows (and pytest its log) into --out: a copy of the checkout whose one CUDA test
+    # runs on the CPU (torch made to say it has a GPU), --out inside it
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(ROOT, "tasks"), checkout / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    os.makedirs(checkout / "tests")
+    for name in ("grpo.py", "model.py", os.path.join("tests", "conftest.py")):
+        shutil.copy(os.path.join(ROOT, name), checkout / name)
+    (checkout / "tests" / "test_on_the_gpu.py").write_text(textwrap.dedent("""
+        import pytest
+        import torch
+
+        pytestmark = pytest.mark.cuda
+        torch.cuda.is_available = lambda: True  # the GPU's stand-in: the test runs, under the suite's checks
+
+
+        def test_a_cuda_test():
+            assert torch.ones(3).sum().item() == 3
+    """))
+    monkeypatch.setattr(gpu_session, "ROOT", str(checkout))
+    monkeypatch.setattr(gpu_session, "TESTS", str(checkout / "tests"))
+    gpu_session.main(["--smoke", "--out", str(checkout / "out"), "--parts", "1", "--shared", SHARED])
+    (session,), (row,) = rows_of(checkout / "out")
+    assert session["out_in_checkout"] and row["status"] == "ok", row
+    assert row["counts"] == {"passed": 1}, row  # no error from the check: the session's writes are not the test's
