@@ -1672,18 +1672,12 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 def self_check(args, run, questions=4, new_tokens=16):
     """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
-    replies sampled by the configured decode (--decode: captured on a GPU; the full softmax at --temperature), the
-    rows made to end at staggered steps (staggered_ends: the static decode halves its batch and runs each smaller
-    batch's step, captured on a GPU; the dynamic one drops rows), then their log-probs and the gradient of the
-    update's loss (fixed random advantages; a teacher's term too) through the update's own pass (micro_batch_loss:
-    packed passes, flash attention on a GPU, --compile) and through the plain one (padded rows, eager), each
-    measured against the plain path in float32; the sampler's own log-probs likewise; with a teacher, its own
-    forward and the forward KL at its top-k (the student's gather) likewise (self_check_paths). The check's batch
-    is its own (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's
-    flags. A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs
-    whatever the context, which hides attention faults and mixed-up rows: the check fills them with noise, and
-    restores them after. Prints one line; a path beyond the bound stops every rank with one line naming it and the
-    flag that avoids it."""
+    replies sampled by the run's decode, rows made to end at staggered steps, a fresh model's zero projections
+    filled with noise (model.py's self_check_replies, noisy_projections); then their log-probs and the gradient of
+    the update's loss (fixed random advantages; a teacher's term too) through the update's own pass and through the
+    plain one, each measured against the plain path in float32 (self_check_paths). The check's batch is its own
+    (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's flags. Prints
+    one line; a path beyond the bound stops every rank with one line naming it and the flag that avoids it."""
     start, model = time.time(), run.model
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
@@ -1759,11 +1753,9 @@ def self_check_paths(args, run, check, prompts, samples):
 
 
 def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
-    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms): with
-    --distill-divergence forward its top-k ids in the pass's layout and their log-probs and the rest's in the rows',
-    else its log-probs of the tokens; through this path (packed or not, compiled or not: args, teacher.use_compile).
-    float32: a teacher stored with bf16 matrices (frozen) computes in float32 for the while, its matrices upcast
-    (exactly) and rounded back to the same bits after."""
+    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms),
+    through this path (packed or not, compiled or not: args, teacher.use_compile); float32: its bf16 matrices
+    upcast for the while (model.float32_matrices)."""
     if teacher is None:
         return [None] * len(micro_batches)
     with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
