@@ -774,7 +774,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if num_running == 0 or t == max_new_tokens - 1:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
-            forced, num_forced = call_tool(tool, tokenizer, tokens[rows, :t], calls, forced, num_forced)
+            forced, num_forced = call_tool(tool, tokenizer, tokens[rows, :t], calls, forced, num_forced,
+                                           max_new_tokens - t - 1)
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
@@ -805,20 +806,30 @@ def prefill(model, prompts, num_samples, max_new_tokens, static):
     return cache, logits[shared]
 
 
-def call_tool(tool, tokenizer, replies, calls, forced, num_forced):
+def call_tool(tool, tokenizer, replies, calls, forced, num_forced, room):
     """The rows that just closed a python block (calls [B]; replies [B, t]: the running rows' tokens so far): the
-    tool's answer to each block, queued to be forced into the reply -> (forced [B, longest queue], num_forced [B])."""
+    tool's answer to each block, queued to be forced into the reply (room: the columns left) -> (forced [B, longest
+    queue], num_forced [B])."""
     for i in calls.nonzero().flatten().tolist():
         reply = replies[i].tolist()
         starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
         result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
         if result is not None:
-            queue = [tokenizer.output_start] + tokenizer.encode(result) + [tokenizer.output_end]
+            queue = forced_run(tokenizer, tokenizer.output_start, result, [tokenizer.output_end], room)
             if len(queue) > forced.size(1):
                 forced = F.pad(forced, (0, len(queue) - forced.size(1)))
             forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
             num_forced[i] = len(queue)
     return forced, num_forced
+
+
+def forced_run(tokenizer, start, text, end, room):
+    """[start] + text's tokens + end, as much of it as the row's room (columns left) holds: the rest would never be
+    written. The text is cut before it is encoded, to 2 x room x the longest token's bytes (a token covers at most
+    that many characters), so a 1 MiB answer costs what a budget-sized one does and the tokens queued are its own
+    (unless one word of it runs past the cut)."""
+    text = text[:2 * room * tokenizer.longest_token + 16]
+    return ([start] + tokenizer.encode(text) + end)[:room]
 
 
 def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced, ends, num_running):
@@ -834,7 +845,8 @@ def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, n
         if message is None:
             ended.append(i)
             continue
-        queue = [tokenizer.user_start] + tokenizer.encode(message) + [tokenizer.user_end, tokenizer.assistant_start]
+        queue = forced_run(tokenizer, tokenizer.user_start, message, [tokenizer.user_end, tokenizer.assistant_start],
+                           tokens.size(1) - t - 1)
         if len(queue) > forced.size(1):
             forced = F.pad(forced, (0, len(queue) - forced.size(1)))
         forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
@@ -885,6 +897,7 @@ class Tokenizer:
         self.bos, self.user_start, self.user_end, self.assistant_start, self.assistant_end, \
             self.python_start, self.python_end, self.output_start, self.output_end = \
             [enc.encode_single_token(s) for s in SPECIAL_TOKENS]
+        self.longest_token = max(len(b) for b in enc.token_byte_values())  # in bytes
 
     @classmethod
     def from_file(cls, path):

@@ -35,6 +35,7 @@ class as module:Class or path/to/file.py:Class, imported when a run names it and
 OwnTask: what any of its methods raises, a sys.exit too, or returns of the wrong kind (a reward that is no finite
 number, an example that is no conversation of this shape, a length that is no int) is one error line (GraderError).
 """
+import copy
 import decimal
 import hashlib
 import importlib
@@ -447,7 +448,7 @@ def episode_responder(task, tokenizer, conversations, G, max_turns):
         turns = episode_turns(tokenizer, tokens, mask)
         if sum(turn["role"] == "assistant" for turn in turns) >= max_turns:
             return None
-        return task.respond(conversations[row // G], turns)
+        return task.respond(copy.deepcopy(conversations[row // G]), turns)  # its own: a write reaches no other row
     return respond
 
 
@@ -474,7 +475,9 @@ def episode_of(conversation):
 
 def graded(task, tokenizer, conversation, samples, row):
     """-> (conversation, reply_text) as the task grades a sampled row: a one-turn task the reply as it is; an
-    episode's task the conversation with "episode" (its turns) and the last assistant turn."""
+    episode's task the conversation with "episode" (its turns) and the last assistant turn. The conversation is the
+    row's own copy: a grader that writes on it reaches no other row, and no later step."""
+    conversation = copy.deepcopy(conversation)
     if task.respond is None:
         return conversation, reply_text(tokenizer, samples, row)
     length = samples["lengths"][row].item()

@@ -7,6 +7,7 @@ import torch
 
 import grpo
 import tasks
+import model as model_module
 from model import generate
 from test_generations import TOK, random_model, random_tokens, replies_that_end_at_different_steps
 from test_own_tasks import TASK_FILE, base_flags
@@ -271,6 +272,65 @@ def test_an_environment_that_never_ends_is_ended_by_max_turns_and_its_episodes_r
         for i in ends[:len(assistant) - 1]:
             assert tokens[i + 1:i + 1 + len(rendered_user_turn("again"))] == rendered_user_turn("again")
     assert max(counts) == 3 and min(counts) < 3
+
+
+class Scribbler:
+    """An environment that writes on what it is given: its conversation (counting its calls there) and the turns."""
+    def respond(self, conversation, episode):
+        conversation["messages"].append({"role": "user", "content": "scribbled"})
+        conversation["calls"] = conversation.get("calls", 0) + 1
+        episode.clear()
+        return f"call {conversation['calls']}"
+
+
+def test_a_respond_or_grader_that_writes_on_its_conversation_reaches_no_other_row_nor_the_grading():
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    conversations = [{"messages": [{"role": "user", "content": f"q{p}"}]} for p in range(2)]
+    before = json.dumps(conversations)
+    respond = tasks.episode_responder(Scribbler(), TOK, conversations, 4, max_turns=3)
+    samples = generate(model, TOK, prompts, 4, 80, seed=3, respond=respond)
+    assert json.dumps(conversations) == before  # the group's shared question, as it was
+    users = []
+    for row in range(8):
+        conversation, _ = tasks.graded(Scribbler(), TOK, conversations[row // 4], samples, row)
+        users += [turn["content"] for turn in conversation["episode"] if turn["role"] == "user"]
+        assert conversation["messages"] == [{"role": "user", "content": f"q{row // 4}"}]  # no call's write
+        conversation["messages"].append("a grader's write")  # reaches no later row's grading
+    assert users and set(users) == {"call 1"}  # every call saw the row's conversation as the task gave it
+    assert json.dumps(conversations) == before
+
+
+@pytest.mark.parametrize("source", ["respond", "tool"])
+def test_a_huge_answer_is_cut_to_the_rows_room_before_it_is_encoded(source, monkeypatch):
+    # 1 MiB from the environment or a tool: encoded no further than twice what the row can still hold, queued no
+    # further than it; the episode's tokens those of a budget-sized answer
+    huge = "ab " * 350_000
+    encoded, encode = [], TOK.encode
+    monkeypatch.setattr(TOK, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    if source == "tool":
+        replies = torch.tensor([[TOK.python_start] + TOK.encode("1+1")])
+        forced, num_forced = model_module.call_tool(lambda text: huge, TOK, replies, torch.tensor([True]),
+                                                    torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                                    room=20)
+        assert forced.size(1) == num_forced[0] == 20 and forced[0, 1:].tolist() == encode(huge[:19])
+        assert max(encoded) <= 2 * 20 * TOK.longest_token + 16
+        return
+    prompts = random_tokens(5, 9)
+    model = replies_that_end_at_different_steps(random_model("smear-backout"), prompts)
+    conversations = [{"messages": [{"role": "user", "content": "x"}]}] * 2
+    runs = {}
+    for name, message in (("huge", huge), ("budget-sized", huge[:80])):
+        class Answers(Endless):
+            def respond(self, conversation, episode):
+                return message
+        encoded.clear()
+        respond = tasks.episode_responder(Answers(), TOK, conversations, 4, max_turns=3)
+        runs[name] = generate(model, TOK, prompts, 4, 80, seed=3, respond=respond)
+        assert encoded and max(encoded) <= 2 * 80 * TOK.longest_token + 16
+    assert (runs["huge"]["mask"] == 0).any()  # some row was answered
+    for key in runs["huge"]:
+        assert torch.equal(runs["huge"][key], runs["budget-sized"][key]), key
 
 
 @pytest.mark.parametrize("name,said", [
