@@ -369,11 +369,12 @@ def default_num_steps(spec, args):
 class Attempts:
     """--attempts N: any graded task as an episode of up to N attempts (Chung, Du, Fu 2025, "Learning from Failures
     in Multi-Attempt Reinforcement Learning"): a reply that evaluate finds wrong is answered
-        Your answer is wrong. Try again (K attempts left).
-    (K: the attempts still open, the next one included) until one is right or the N are spent. Its reward is the
-    task's reward of the last attempt, undiscounted, as in the paper (right at any attempt earns a right reply's
-    reward; the paper's rewards are +1 right, -0.5 wrong but well formed, -1 else: here the task's own). Its eval
-    metrics are the task's, of the last attempt, and correct@1 .. correct@N: right within the first k attempts."""
+        Your answer is wrong. Try again (2 attempts left).
+    (the attempts still open, the next one included; "1 attempt left" before the last) until one is right or the N
+    are spent. Its reward is the task's reward of the last attempt, undiscounted, as in the paper (right at any
+    attempt earns a right reply's reward; the paper's rewards are +1 right, -0.5 wrong but well formed, -1 else: here
+    the task's own). Its eval metrics are the task's, of the last attempt, and correct@1 .. correct@N: right within
+    the first k attempts."""
 
     def __init__(self, task, attempts):
         self.task, self.attempts = task, attempts
