@@ -1701,14 +1701,22 @@ def self_check_paths(args, run, check, prompts, samples):
         micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
         for net in nets:
             net.use_compile = args.compile and name == "fast"
-        terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
-        own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
-        if name == "fast":
-            taught = own
+        terms, own = [None] * len(micro_batches), []  # the teacher's term of each, as the update takes it
+        if teacher is not None:  # through this path; float32: its bf16 matrices upcast for the while
+            with on_device(teacher, run.device, args.teacher_offload), autocast, float32_matrices(
+                    teacher, name == "float32"):
+                terms = ([teacher_top_logprobs(teacher, mb, path_args) for mb in micro_batches] if forward
+                         else frozen_logprobs(teacher, micro_batches, path_args, nullcontext()))
+            # in the rows' layout [N, T, ...]: (ids, top-k log-probs, the rest's or None), or (log-probs,)
+            own = [batch_rows(parts, micro_batches, mask) for parts in zip(*[
+                (in_rows(t["ids"], mb), *t["logprobs"]) if forward else (t,) for t, mb in zip(terms, micro_batches)])]
+        taught = own if name == "fast" else taught
         logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
         loss = 0.0
-        for i, mb in enumerate(micro_batches):
-            term = terms[i] if name == "fast" or teacher is None else term_for(taught, mb)
+        for term, mb in zip(terms, micro_batches):
+            if name != "fast" and teacher is not None:  # the fast path's, cut to this pass's padded rows
+                part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
+                term = {"ids": part[0], "logprobs": (part[1], part[2])} if forward else part[0]
             with autocast:
                 mb_loss, parts, mb_logprobs = micro_batch_loss(model, mb, None, None, term, advantages[mb["rows"]],
                                                                mask.sum(), path_args)
@@ -1717,40 +1725,12 @@ def self_check_paths(args, run, check, prompts, samples):
             if forward:
                 kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
         grads = torch.autograd.grad(loss, params)
-        values = mask.new_zeros(0)
-        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
-            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
-            values = values * mask[..., None]
+        values = mask.new_zeros(0) if teacher is None else torch.cat(  # [N, T, k + 1 or 1]
+            [t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2) * mask[..., None]
         results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
                              sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
                              kl=kl if forward else mask.new_zeros(0))
     return results
-
-
-def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
-    """The teacher's term of each micro-batch (None without a teacher) as the update takes it, through this path
-    (args, teacher.use_compile); float32: its bf16 matrices upcast for the while (model.float32_matrices)."""
-    if teacher is None:
-        return [None] * len(micro_batches)
-    with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
-        if args.distill_divergence == "forward":
-            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-        return frozen_logprobs(teacher, micro_batches, args, nullcontext())
-
-
-def terms_in_rows(terms, micro_batches):
-    """Each micro-batch's teacher term in the rows' layout [R, width, ...]: (ids, top-k, rest or None), (log-probs,)."""
-    if terms[0] is None:
-        return []
-    if isinstance(terms[0], dict):
-        return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
-    return [(t,) for t in terms]
-
-
-def term_for(taught, mb):
-    """The teacher's term for a micro-batch of padded rows (taught: in the rows' layout, terms_in_rows' order)."""
-    part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
-    return part[0] if len(part) == 1 else {"ids": part[0], "logprobs": (part[1], part[2])}
 
 
 def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
