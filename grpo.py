@@ -1386,8 +1386,7 @@ def start_run(args, run_dir, rank, writes):
 
 
 def start_process(args, rank):
-    """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
-    prints), dtype, autocast)."""
+    """This rank's device, threads, precision -> (world_size, device, master, log (rank 0 prints), dtype, autocast)."""
     world_size = launched()[1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -1481,8 +1480,7 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
 
 
 def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
-    """config.json's "inputs" (sha256 of what the run depends on besides its flags, checked on --resume) and
-    "scores" (what --compare ranks by)."""
+    """config.json's "inputs" (sha256s of what the run rests on besides its flags, for --resume) and "scores"."""
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     if teacher_digest is not None:
@@ -1499,8 +1497,7 @@ def record_inputs(config, args, train_task, test_task, watched, tokenizer, teach
 
 
 def load_policy(args, log, shapes_only=False):
-    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>. shapes_only: the model on
-    the meta device, without reading its weights."""
+    """--init sft | scratch | <checkpoint dir> -> (model, tokenizer, tag); shapes_only: on the meta device, unread."""
     if args.init == "scratch":
         tokenizer = Tokenizer.byte_level()
         config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
@@ -1543,14 +1540,12 @@ def start_checkpoint_dir(args):
 
 
 def frozen(net, bf16_matrices, offload):
-    """A model that does not train (the reference, the teacher) -> it, without gradients. bf16_matrices: its matrices
-    in bf16, half the memory and the same numbers (bf16 autocast casts a matmul's weight anyway; the rest stays
-    float32). offload: in pinned CPU memory, copied to the GPU for each use (on_device)."""
+    """A model that does not train (reference, teacher), without gradients. bf16_matrices: its matrices in bf16, half
+    the memory, the same numbers (autocast casts them anyway). offload: in pinned CPU memory (on_device)."""
     net.requires_grad_(False).eval()
-    if bf16_matrices:
-        for module in net.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.to(torch.bfloat16)
+    for module in net.modules():
+        if bf16_matrices and isinstance(module, torch.nn.Linear):
+            module.to(torch.bfloat16)
     if offload:
         for p in net.parameters():
             p.data = p.data.cpu().pin_memory()
@@ -1559,8 +1554,7 @@ def frozen(net, bf16_matrices, offload):
 
 @contextmanager
 def on_device(module, device, offload):
-    """--ref-offload, --teacher-offload: a module's weights, waiting in CPU memory, on the device for the block.
-    They do not change there: nothing is copied back, they point to their CPU copies again."""
+    """--ref-offload, --teacher-offload: a module's CPU weights on the device for the block (unchanged: not copied)."""
     if not offload or device.type == "cpu":
         yield
         return
@@ -1618,17 +1612,15 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
 
 
 def unusable_checkpoint(flag, error, steps):
-    """Exit with one line for a checkpoint file that cannot be used (error: the CheckpointFileError) and how to go
-    on: another step of its folder (steps: loadable_steps; for --resume, those with training state), or another
-    checkpoint. The one place a damaged file becomes a message, for --init, --teacher and --resume alike."""
+    """Exit with one line for a checkpoint file that cannot be used (error: a CheckpointFileError) and how to go on:
+    another step of its folder (steps: loadable_steps, for --resume those with training state), or another one."""
     folder, name = os.path.split(error.path)
     step = int(re.search(r"_(\d+)\.", name).group(1))
     others = [s for s in steps if s != step]
     listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
     if not others:
         instead = ("no other step of the run has its training state" if flag == "--resume" else
-                   f"no other step in {folder} has its model and meta files: copy that file again from where it "
-                   "came")
+                   f"no other step in {folder} has its model and meta files: copy that file again from where it came")
     else:
         other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
         whole = f"the steps with model and meta files: {listed}"
@@ -1650,30 +1642,26 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 
 def self_check(args, run, questions=4, new_tokens=16):
-    """The run's fast paths against the plain one before the first step: replies to a few questions of the train task
-    sampled by the run's decode (model.py's self_check_replies, noisy_projections), their log-probs and the gradient
-    of the update's loss through each path (self_check_paths) against the plain path in float32, in a batch of its
-    own (G = 2, one minibatch, token aggregation). One line; a path beyond its bound stops every rank with one line
-    naming it and the flag that avoids it."""
+    """The run's fast paths against the plain float32 one before the first step: the run's decode's replies to a few
+    train questions (model.py's self_check_replies), their log-probs and the update's gradient through each path
+    (self_check_paths), in a batch of its own (G = 2). One line; a path beyond its bound stops every rank."""
     start, model = time.time(), run.model
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
                                    advantage="mean", kl_coef=0.0, rollout_correction="off",
                                    distill_coef=args.distill_coef if run.teacher is not None else 0.0))
-    G = check.num_samples  # the check's own replies a question, whatever the run's
     prompts = [run.tokenizer.render_for_completion(run.train_task[i])
                for i in range(min(questions, len(run.train_task)))]
     try:
         with noisy_projections(model, args.seed) as zero:
             with run.autocast:
-                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, G, min(
+                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, check.num_samples, min(
                     new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
             results = self_check_paths(args, run, check, prompts, samples)
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-    checks = self_check_distances(results, SELF_CHECKED)
-    checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
+    checks = all_reduce(self_check_distances(results, SELF_CHECKED), dist.ReduceOp.MAX).tolist()  # the worst rank's
     measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
     self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
 
@@ -1683,10 +1671,9 @@ SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths m
 
 def self_check_paths(args, run, check, prompts, samples):
     """The check's replies through the run's own path ("fast"), the plain one ("plain": padded rows, eager) and the
-    plain one in float32 -> {path: dict(logprobs [N, T], grads (flat), sampler (its log-probs [N, T]), teacher (its
-    own forward: top-k log-probs, sorted so near-ties swap ids, not values, and the rest's [N, T, k + 1]; or the
-    tokens' [N, T]), kl (the forward KL at the top-k [N, T]))}. Every path's student takes the fast path's teacher:
-    its gather compared at the same tokens, the teacher's forward on its own."""
+    plain one in float32 -> {path: dict(logprobs, grads, sampler, teacher (its top-k log-probs, sorted: near-ties swap
+    ids, not values, and the rest's; or the tokens'), kl (at the top-k))}. Every path's student takes the fast path's
+    teacher: its gather compared at the same tokens, the teacher's forward on its own."""
     model, teacher, G = run.model, run.teacher, check.num_samples
     rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
     plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
@@ -1734,9 +1721,7 @@ def self_check_paths(args, run, check, prompts, samples):
 
 
 def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
-    """Each path's distance from the float32 path against its bound (measured: what -> [fast, plain]; decode: the
-    sampler's): one line, or the run stops on the first path beyond its bound."""
-    bounds = {key: SELF_CHECK_FACTOR * plain + SELF_CHECK_FLOOR for key, (_, plain) in measured.items()}
+    """Each distance from the float32 path (measured: key -> [fast, plain]; decode: the sampler's) against its bound."""
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
@@ -1747,31 +1732,28 @@ def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
     decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
     (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
         measured[key] for key in SELF_CHECKED)
-    failed = [(what, value, bound, rounding, flag) for what, value, bound, rounding, flag in (
-        (f"{fast_path}: log-probs", fast_lp, bounds["logprobs"], plain_lp, fast_flag),
-        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, bounds["kl"],
-         plain_kl, fast_flag),
-        (f"{fast_path}: the gradient", fast_grad, bounds["grads"], plain_grad, fast_flag),
-        (f"{decode_path}: its log-probs", decode, bounds["logprobs"] + plain_lp, plain_lp, decode_flag),
-        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, bounds["teacher"], plain_teacher,
-         fast_flag),
-    ) if not value <= bound]
-    if failed:
-        what, value, bound, rounding, flag = failed[0]
-        remedy = f"run with {flag} (and report it)" if flag else "report it"
-        sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
-                 f"run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
-                 "--no-self-check to train anyway")
+    for what, value, rounding, flag, slack in (  # slack: the decode's own rounding, one more plain pass's
+        (f"{fast_path}: log-probs", fast_lp, plain_lp, fast_flag, 0),
+        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, plain_kl, fast_flag, 0),
+        (f"{fast_path}: the gradient", fast_grad, plain_grad, fast_flag, 0),
+        (f"{decode_path}: its log-probs", decode, plain_lp, decode_flag, plain_lp),
+        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, plain_teacher, fast_flag, 0),
+    ):
+        bound = SELF_CHECK_FACTOR * rounding + SELF_CHECK_FLOOR + slack
+        if not value <= bound:
+            remedy = f"run with {flag} (and report it)" if flag else "report it"
+            sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, "
+                     f"the run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
+                     "--no-self-check to train anyway")
     taught = "" if run.teacher is None else (
         f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
             f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
+    noise = f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero else ""
     steps = sorted({end for end in ends if end >= 0})
     ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
             f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
-            f"{len(ends)} rows" + (
-                f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
-                else "") + f"; {seconds:.1f}s")
+            f"{len(ends)} rows{noise}; {seconds:.1f}s")
 
 
 # -----------------------------------------------------------------------------
@@ -1783,16 +1765,14 @@ GiB = 2 ** 30
 
 def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False,
                 teacher=None):
-    """-> {part: bytes per rank}: what stays all run (weights, optimizer state, reference, teacher's shapes), then the
-    two phases that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
-    (gradients, an estimate of one pass's activations). optimizer_state: the largest rank's bytes, when known.
+    """-> {part: bytes per rank}: what stays all run, then the two phases that follow each other: sampling (one
+    --sample-batch-size chunk) and the update. optimizer_state: the largest rank's bytes, when known.
     exact_attention: packed passes take the exact path, not flash attention (the CPU, float32): its block counts."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer_state is None:
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
         optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
-    compute_bytes = 2 if dtype == "bfloat16" else 4
-    c = model.config
+    c, compute_bytes = model.config, 2 if dtype == "bfloat16" else 4
     head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
     rows = sample_batch_rows(args, world_size)
     kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
@@ -1804,6 +1784,10 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"
     else:
         tokens, passed = micro_rows * length, f"{micro_rows} rows"
+    # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations gone
+    # (`python tests/bench_memory.py --muon`): counted as 10
+    muon_step = 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
+        len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
@@ -1814,14 +1798,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         if args.kl_coef and not args.lora_rank and not args.ref_offload else 0,
         **({"teacher model": frozen_bytes(teacher, dtype == "bfloat16")} if teacher is not None
            and not args.teacher_offload else {}),
-        # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
-        # through a generate call
+        # autocast keeps a bf16 copy of each weight a matmul reads, forward to backward and through a generate call
         "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
             m, torch.nn.Linear)) if compute_bytes == 2 else 0,
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        MUON_STEP: muon_step_bytes(model, args),
+        MUON_STEP: muon_step,
         f"update: activations of {passed} (estimate)": pass_activations(c, tokens, args),
         **exact,
         # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
@@ -1835,14 +1818,6 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
 MUON_STEP = "update: Muon's step, stacks of its matrices (bound)"
 
 
-def muon_step_bytes(model, args):
-    """Bytes Muon's step holds beside the gradients (the activations are gone by then), at most: 9.25 float32 copies
-    of its largest stack at the peak (`python tests/bench_memory.py --muon`), counted as 10."""
-    if args.optimizer != "muon" or args.lora_rank:
-        return 0
-    return 10 * max(len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
-
-
 def frozen_bytes(net, bf16_matrices):
     """Bytes of a model that does not train (frozen): its matrices in bf16 when bf16_matrices, the rest float32."""
     linear = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Linear)}
@@ -1850,9 +1825,8 @@ def frozen_bytes(net, bf16_matrices):
 
 
 def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
-    """Bytes of packed attention's exact path (off flash attention): a pass's rows in a [rows, longest row] block,
-    queries, keys, values and output kept for the backward in every layer. Rows a pass: --device-batch-size; else
-    the minibatch's (a compiled forward's static shape), or at most one per token of the budget."""
+    """Bytes of packed attention's exact path: q, k, v and output of a [rows, longest row] block kept in every layer.
+    Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's shape), or one per token at most."""
     most = minibatch_rows(args, world_size)
     rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
         most, tokens_per_pass)
@@ -1861,12 +1835,11 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
 
 
 def pass_activations(c, tokens, args):
-    """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
-    bytes per token, layer and unit of width eager, ~48 compiled (inductor keeps fewer intermediates), and the
-    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient, 16 without.
-    Measured, not derived (bf16 autocast keeps the residual stream and norms float32; Korthikanti et al. 2022 count
-    34 for an all-16-bit block): on an H200 at d20, 75-76 eager (the plan within 4% of torch's allocated peak), 46.7
-    compiled (2-3% over); the head's, 24.0-24.4 and 16.0-16.4 on a CPU (`python tests/bench_memory.py --head`)."""
+    """Bytes of one forward and backward pass over this many tokens: ~76 bytes per token, layer and unit of width
+    eager, ~48 compiled (inductor keeps fewer intermediates), and the head's chunk of at most HEAD_CHUNK logits at ~24
+    bytes an element with the entropies' gradient, 16 without. Measured (bf16 autocast keeps the residual stream and
+    norms float32: not Korthikanti et al.'s 34): on an H200 at d20, 75-76 eager, 46.7 compiled (the plan within 4%
+    of torch's allocated peak); the head's, 24.0-24.4 and 16.0-16.4 on a CPU (`python tests/bench_memory.py --head`)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
     head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
     if args.distill_coef and args.distill_divergence == "forward":  # the teacher's top-k gathered from the student's
@@ -1889,8 +1862,7 @@ def plan_peak(plan):
 
 
 def planned_optimizer_state(model, args, owners, world_size):
-    """-> bytes of optimizer state on each rank: the optimizers built on the meta-device model and stepped once on
-    zero gradients, so that every piece of state is counted as they allocate it."""
+    """-> each rank's optimizer state bytes, as the optimizers allocate it: built on the meta model, stepped once."""
     optimizers = make_optimizers(model, args)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -1909,8 +1881,7 @@ def planned_optimizer_state(model, args, owners, world_size):
 
 def sample_batch_rows(args, world_size):
     """Replies a generate call samples: --sample-batch-size in whole groups, at most this rank's step."""
-    rows = args.prompts_per_step // world_size * args.num_samples
-    G = args.num_samples
+    rows, G = args.prompts_per_step // world_size * args.num_samples, args.num_samples
     return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
 
 
@@ -1930,8 +1901,7 @@ def free_memory(device):
 
 def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher=None):
     """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). Unset chunks are
-    fitted to 90% of the free memory beside what stays: --sample-batch-size on a GPU; the rows or tokens a pass,
-    beside the gradients too, at most the rank's step."""
+    fitted to 90% of the free memory: --sample-batch-size on a GPU; the rows or tokens a pass, at most the step's."""
     on_cpu = {} if gpu else dict(ref_offload=False, teacher_offload=False)  # off a GPU they stay where they are
     longest_row = longest_prompt + args.max_new_tokens - 1
     exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
@@ -1957,8 +1927,7 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
 
 
 def plan_memory(args, world_size, device, dtype, task, log):
-    """Print the memory plan (rank 0), pick the sampling chunk on a GPU, and stop with one line when even the
-    smallest chunks cannot fit: before the checkpoint is read."""
+    """Print the memory plan (rank 0), fit the chunks left unset, and stop with one line if even the smallest can't."""
     model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
     if args.lora_rank:
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
@@ -1970,8 +1939,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
         if getattr(args, f"{flag}_offload") and not gpu:
             log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
     plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher)
+    rows_flag, per_pass = (("--tokens-per-pass", args.tokens_per_pass) if args.pack and not args.device_batch_size
+                           else ("--device-batch-size", args.device_batch_size))
     longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
-    if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
+    if rows_flag == "--tokens-per-pass" and longest_row > per_pass:  # (rows a pass: any length)
         sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
                  f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
                  f"raise it to at least {longest_row}, or lower --max-new-tokens")
@@ -1982,11 +1953,9 @@ def plan_memory(args, world_size, device, dtype, task, log):
             ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
-    where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
-                                                    if world_size > 1 and args.shard_optimizer else "") + (
-        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack and not args.device_batch_size
-        else f"; --device-batch-size {args.device_batch_size}")
-    log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
+    sharded = f", optimizer state sharded over {world_size} ranks" if world_size > 1 and args.shard_optimizer else ""
+    log(f"memory plan per rank ({device.type}, {size(free)} free{sharded}; {rows_flag} {per_pass}; prompts up to "
+        f"{longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
         kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
@@ -1994,7 +1963,6 @@ def plan_memory(args, world_size, device, dtype, task, log):
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
-        rows_flag = "--tokens-per-pass" if args.pack and not args.device_batch_size else "--device-batch-size"
         log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
             f"--sample-batch-size or {rows_flag} if the run runs out of memory")
     return longest_prompt
