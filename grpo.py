@@ -1346,7 +1346,7 @@ def start_run(args, run_dir, rank, writes):
         longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
         for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
             config[k] = getattr(args, k)  # the run folder says what ran
-        if args.compile and args.pack:  # a compiled forward's one shape: a minibatch's rows, the longest wide
+        if args.compile and args.pack:  # a compiled forward's one shape: a minibatch's rows at the longest width
             static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
     model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
                                                                         setup_log, evaluating)
