@@ -1325,9 +1325,10 @@ def start_run(args, run_dir, rank, writes):
     """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
     False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
     evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
+    teaching = args.distill_coef > 0 and not evaluating
     world_size, device, master, log, dtype, autocast = start_process(args, rank)
     train_task, test_task, watched = read_tasks(args)
-    if args.distill_coef > 0 and not evaluating:
+    if teaching:
         teacher_checkpoint(args)
     # after the inputs: a wrong path or --teacher says so whatever the run folder holds
     if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
@@ -1345,30 +1346,26 @@ def start_run(args, run_dir, rank, writes):
         longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
         for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
             config[k] = getattr(args, k)  # the run folder says what ran
-        # a compiled forward takes packed passes in one shape: the budget, and as many rows of the longest width as
-        # a minibatch holds
-        if args.compile and args.pack:
+        if args.compile and args.pack:  # a compiled forward's one shape: a minibatch's rows at the longest width
             static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
     model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
                                                                         setup_log, evaluating)
     teacher = teacher_digest = None
-    if args.distill_coef > 0 and not evaluating:
+    if teaching:
         teacher, teacher_digest = load_teacher(args, tokenizer, log)
         teacher = frozen(teacher if args.teacher_offload else teacher.to(device), dtype == "bfloat16",
                          args.teacher_offload and device.type == "cuda")
         teacher.use_compile = args.compile
     record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest)
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
-                          train_task=train_task, test_task=test_task, watched=watched, model=model,
-                          tokenizer=tokenizer,
-                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners,
-                          config=config, static_pack=static_pack,
-                          run_dir=run_dir, tag=tag,
+                          train_task=train_task, test_task=test_task, watched=watched, model=model, tokenizer=tokenizer,
+                          ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
+                          static_pack=static_pack, run_dir=run_dir, tag=tag,
                           checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
                           metrics_path=os.path.join(run_dir, "metrics.jsonl"),
                           samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0, start_evaluated=False,
-                          writes=writes, launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
+                          signal_less_steps=0, start_evaluated=False, writes=writes,
+                          launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
         setup_log(f"resumed from step {run.start_step} of {run.checkpoint_dir}")
@@ -1389,8 +1386,7 @@ def start_run(args, run_dir, rank, writes):
 
 
 def start_process(args, rank):
-    """This process's part of the run: ranks, device, threads, precision -> (world_size, device, master, log (rank 0
-    prints), dtype, autocast)."""
+    """This rank's device, threads, precision -> (world_size, device, master, log (rank 0 prints), dtype, autocast)."""
     world_size = launched()[1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -1418,16 +1414,11 @@ def thread_policy(args, device, world_size):
     the whole run: a reduction's last bits may depend on it, and the same seed on the same machine is the same run."""
     if device.type != "cpu":
         return f"threads: {torch.get_num_threads()} on the host (the work is on {device.type})"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        why = "--threads"
-    elif "OMP_NUM_THREADS" in os.environ:
-        why = "OMP_NUM_THREADS"
-    elif world_size > 1:  # as torchrun sets it: the ranks share the cores
-        torch.set_num_threads(1)
-        why = "one per rank, as torchrun's"
-    else:
-        why = "torch's default, one per core"
+    omp = "OMP_NUM_THREADS" in os.environ
+    if args.threads or (world_size > 1 and not omp):  # several ranks: one each, as torchrun sets it (they share cores)
+        torch.set_num_threads(args.threads or 1)
+    why = ("--threads" if args.threads else "OMP_NUM_THREADS" if omp else
+           "one per rank, as torchrun's" if world_size > 1 else "torch's default, one per core")
     spin = (f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}" if "OMP_WAIT_POLICY" in os.environ else
             f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
     return f"threads: {torch.get_num_threads()} ({why}; {spin}; --threads N sets it)"
@@ -1440,9 +1431,9 @@ def leave_process_group():
 
 
 def read_tasks(args):
-    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data,
-    before the configuration is printed. Sets --num-steps where it waited for the data (one epoch)."""
-    try:  # what can fail on bad input, before the configuration is printed: the tasks' data, the start checkpoint
+    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data
+    or no start checkpoint, before the configuration is printed. Sets --num-steps where it waited for the data."""
+    try:
         train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
     except (OSError, ValueError, RuntimeError) as e:
@@ -1460,9 +1451,8 @@ def read_tasks(args):
 
 
 def build_models(args, config, world_size, device, dtype, log, evaluating=False):
-    """The start policy on the device, its optimizers (and each weight's owning rank when sharded) and the reference
-    -> (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone (no optimizers, no
-    reference)."""
+    """The start policy on the device, its optimizers (each weight's owning rank when sharded) and the reference ->
+    (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone."""
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1473,8 +1463,7 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
         recorded = " (the start checkpoint's, as its meta records)" if getattr(
             model, "trained_optimizer", None) == args.optimizer_version else ""
         if not evaluating:
-            log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} "
-                "(docs/optimizers.md)")
+            log(f"optimizer: nanochat's Muon + AdamW, version {args.optimizer_version}{recorded} (docs/optimizers.md)")
     if evaluating:
         return model, tokenizer, tag, [], None, None
     optimizers = make_optimizers(model, args)
@@ -1484,19 +1473,14 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
         log(f"optimizer state sharded over the {world_size} ranks, each weight's on one (--no-shard-optimizer: on all)")
     if args.ref_dtype == "bfloat16" and dtype != "bfloat16":
         parser.error("--ref-dtype bfloat16 needs --dtype bfloat16 (a float32 forward cannot take bfloat16 weights)")
-    if args.kl_coef == 0:
-        ref_model = None  # no KL term, no reference
-    elif args.lora_rank:
-        ref_model = model  # the base model: the policy with its adapters switched off, no second copy
-    else:
-        ref_model = frozen(copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16",
-                           args.ref_offload and device.type == "cuda")
+    # no KL term: no reference; with LoRA, the base model: the policy with its adapters switched off, no second copy
+    ref_model = None if args.kl_coef == 0 else model if args.lora_rank else frozen(
+        copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16", args.ref_offload and device.type == "cuda")
     return model, tokenizer, tag, optimizers, owners, ref_model
 
 
 def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
-    """config.json's "inputs" (sha256 of what the run depends on besides its flags, checked on --resume) and
-    "scores" (what --compare ranks by)."""
+    """config.json's "inputs" (sha256s of what the run rests on besides its flags, for --resume) and "scores"."""
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
                         "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
     if teacher_digest is not None:
@@ -1513,16 +1497,13 @@ def record_inputs(config, args, train_task, test_task, watched, tokenizer, teach
 
 
 def load_policy(args, log, shapes_only=False):
-    """-> (model, tokenizer, checkpoint tag) for --init sft | scratch | <checkpoint dir>. shapes_only: the model on
-    the meta device, without reading its weights."""
+    """--init sft | scratch | <checkpoint dir> -> (model, tokenizer, tag); shapes_only: on the meta device, unread."""
     if args.init == "scratch":
         tokenizer = Tokenizer.byte_level()
         config = GPTConfig(sequence_len=1024, vocab_size=tokenizer.vocab_size, n_layer=args.depth,
                            n_head=args.n_head, n_kv_head=args.n_head, n_embd=args.n_embd)
-        if shapes_only:
-            with torch.device("meta"):
-                return GPT(config), tokenizer, f"d{args.depth}"
-        model = GPT(config).init_weights(args.seed)
+        with torch.device("meta") if shapes_only else nullcontext():
+            model = GPT(config) if shapes_only else GPT(config).init_weights(args.seed)
         model.start_step = 0
         return model, tokenizer, f"d{args.depth}"
     checkpoint_dir = start_checkpoint_dir(args)
@@ -1534,9 +1515,9 @@ def load_policy(args, log, shapes_only=False):
         unusable_checkpoint("--init", e, loadable_steps(checkpoint_dir))
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
-    model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}" if isinstance(meta, dict) else checkpoint_dir
-    model.start_step = meta.get("step", 0) if isinstance(meta, dict) else 0  # what --eval-only's line names
-    trained = meta.get("nanogrpo_config") if isinstance(meta, dict) else None  # a checkpoint of this program
+    model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}"  # meta: a dict (read_meta checks it)
+    model.start_step = meta.get("step", 0)  # what --eval-only's line names
+    trained = meta.get("nanogrpo_config")  # a checkpoint of this program
     model.trained_optimizer = trained.get("optimizer_version") if isinstance(trained, dict) else None
     return model, tokenizer, os.path.basename(os.path.normpath(checkpoint_dir))
 
@@ -1559,15 +1540,12 @@ def start_checkpoint_dir(args):
 
 
 def frozen(net, bf16_matrices, offload):
-    """A model that does not train (the reference, the teacher) -> it, without gradients. bf16_matrices: under bf16
-    autocast every matmul casts its weight to bf16 anyway, so stored so its matrices take half the memory and give
-    the same numbers (embeddings, gains and gates stay float32: no matmul). offload: in pinned CPU memory, a fast
-    copy to the GPU for each use (on_device)."""
+    """A model that does not train (reference, teacher), without gradients. bf16_matrices: its matrices in bf16, half
+    the memory, the same numbers (autocast casts them anyway). offload: in pinned CPU memory (on_device)."""
     net.requires_grad_(False).eval()
-    if bf16_matrices:
-        for module in net.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.to(torch.bfloat16)
+    for module in net.modules():
+        if bf16_matrices and isinstance(module, torch.nn.Linear):
+            module.to(torch.bfloat16)
     if offload:
         for p in net.parameters():
             p.data = p.data.cpu().pin_memory()
@@ -1576,8 +1554,7 @@ def frozen(net, bf16_matrices, offload):
 
 @contextmanager
 def on_device(module, device, offload):
-    """--ref-offload, --teacher-offload: a module whose weights wait in CPU memory, on the device for the duration of
-    the block. Its weights do not change there, so nothing is copied back: they point to their CPU copies again."""
+    """--ref-offload, --teacher-offload: a module's CPU weights on the device for the block (unchanged: not copied)."""
     if not offload or device.type == "cpu":
         yield
         return
@@ -1592,8 +1569,7 @@ def on_device(module, device, offload):
 
 
 def teacher_checkpoint(args):
-    """--teacher DIR (a checkpoint folder, or a run folder of this program) and --teacher-step -> (the checkpoint
-    folder, the step); one error line when there is none."""
+    """--teacher DIR (a checkpoint or run folder) and --teacher-step -> (folder, step); one error line if none."""
     folder = checkpoint_folder(args.teacher)
     complete = loadable_steps(folder)
     if not complete:
@@ -1606,9 +1582,8 @@ def teacher_checkpoint(args):
 
 
 def load_teacher(args, tokenizer, log, shapes_only=False):
-    """--teacher, in float32 on the CPU (shapes_only: on the meta device) -> (model, fingerprint for --resume: the
-    sha256 of its meta file, its model file's size and first and last MiB). It must read text as the policy does:
-    its log-probs are over its own token ids."""
+    """--teacher, in float32 on the CPU (shapes_only: on the meta device) -> (model, fingerprint for --resume: sha256
+    of its meta file, its model file's size and first and last MiB). Its tokenizer must be the policy's."""
     folder, step = teacher_checkpoint(args)
     try:
         teacher, _ = load_checkpoint(folder, step, log=log, shapes_only=shapes_only)
@@ -1637,19 +1612,15 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
 
 
 def unusable_checkpoint(flag, error, steps):
-    """Exit with one line for a checkpoint file that cannot be used, damaged or a meta file missing (the
-    CheckpointFileError names it and what is wrong), and how to go on: from another step of its folder (steps:
-    loadable_steps; for --resume, those with training state), or from another checkpoint. The one place a damaged
-    file becomes a message, for --init, --teacher and --resume alike (--eval-only and --ask read their checkpoint
-    through one of these)."""
+    """Exit with one line for a checkpoint file that cannot be used (error: a CheckpointFileError) and how to go on:
+    another step of its folder (steps: loadable_steps, for --resume those with training state), or another one."""
     folder, name = os.path.split(error.path)
     step = int(re.search(r"_(\d+)\.", name).group(1))
     others = [s for s in steps if s != step]
     listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]} to {steps[-1]}, {len(steps)} in all"
     if not others:
         instead = ("no other step of the run has its training state" if flag == "--resume" else
-                   f"no other step in {folder} has its model and meta files: copy that file again from where it "
-                   "came")
+                   f"no other step in {folder} has its model and meta files: copy that file again from where it came")
     else:
         other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
         whole = f"the steps with model and meta files: {listed}"
@@ -1665,38 +1636,32 @@ def unusable_checkpoint(flag, error, steps):
 # -----------------------------------------------------------------------------
 # The self-check: the update's own pass against the plain one on a few real rows (model.py makes the rows)
 
-# The self-check's bound: a fast path may be at most this many times as far from the float32 plain path as the
-# run's plain path is (rounding of the run's dtype), plus SELF_CHECK_FLOOR (a float32 run's own rounding).
+# A fast path may be at most this many times as far from the float32 plain path as the run's plain path is (its
+# dtype's rounding), plus SELF_CHECK_FLOOR (a float32 run's own rounding).
 SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 
 def self_check(args, run, questions=4, new_tokens=16):
-    """The run's fast paths against the plain one on a few real rows of the train task, before the first step:
-    replies sampled by the run's decode, rows made to end at staggered steps, a fresh model's zero projections
-    filled with noise (model.py's self_check_replies, noisy_projections); then their log-probs and the gradient of
-    the update's loss (fixed random advantages; a teacher's term too) through the update's own pass and through the
-    plain one, each measured against the plain path in float32 (self_check_paths). The check's batch is its own
-    (G = 2, one minibatch, token aggregation, every sampled token in the loss), whatever the run's flags. Prints
-    one line; a path beyond the bound stops every rank with one line naming it and the flag that avoids it."""
+    """The run's fast paths against the plain float32 one before the first step: the run's decode's replies to a few
+    train questions (model.py's self_check_replies), their log-probs and the update's gradient through each path
+    (self_check_paths), in a batch of its own (G = 2). One line; a path beyond its bound stops every rank."""
     start, model = time.time(), run.model
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
                                    advantage="mean", kl_coef=0.0, rollout_correction="off",
                                    distill_coef=args.distill_coef if run.teacher is not None else 0.0))
-    G = check.num_samples  # the check's own replies a question, whatever the run's
-    prompts = [run.tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions,
-                                                                                         len(run.train_task)))]
+    prompts = [run.tokenizer.render_for_completion(run.train_task[i])
+               for i in range(min(questions, len(run.train_task)))]
     try:
         with noisy_projections(model, args.seed) as zero:
             with run.autocast:
-                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, G, min(
+                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, check.num_samples, min(
                     new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
             results = self_check_paths(args, run, check, prompts, samples)
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-    checks = self_check_distances(results, SELF_CHECKED)
-    checks = all_reduce(checks, dist.ReduceOp.MAX).tolist()  # the worst rank's: every rank stops if one fails
+    checks = all_reduce(self_check_distances(results, SELF_CHECKED), dist.ReduceOp.MAX).tolist()  # the worst rank's
     measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
     self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
 
@@ -1705,13 +1670,10 @@ SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths m
 
 
 def self_check_paths(args, run, check, prompts, samples):
-    """The check's replies through each path: the run's own ("fast"), the plain one ("plain": padded rows, eager)
-    and the plain one in float32 -> {path: dict(logprobs: of the sampled tokens [N, T]; grads: of the loss, flat;
-    sampler: the sampler's log-probs [N, T]; teacher: the teacher's own forward at the loss positions, its top-k
-    log-probs and the rest's [N, T, k + 1] (in descending order: near-ties may swap, the values do not) or its
-    log-probs of the tokens [N, T]; kl: the forward KL at the teacher's top-k [N, T])}, the last two empty without
-    them. Every path's student takes the fast path's teacher (its ids laid out for each pass), so that the student's
-    gather is compared at the same tokens and the teacher's forward on its own."""
+    """The check's replies through the run's own path ("fast"), the plain one ("plain": padded rows, eager) and the
+    plain one in float32 -> {path: dict(logprobs, grads, sampler, teacher (its top-k log-probs, sorted: near-ties swap
+    ids, not values, and the rest's; or the tokens'), kl (at the top-k))}. Every path's student takes the fast path's
+    teacher: its gather compared at the same tokens, the teacher's forward on its own."""
     model, teacher, G = run.model, run.teacher, check.num_samples
     rows, nets = len(prompts) * G, [model] + ([teacher] if teacher is not None else [])
     plain = SimpleNamespace(**dict(vars(check), pack=False, device_batch_size=rows))
@@ -1726,14 +1688,22 @@ def self_check_paths(args, run, check, prompts, samples):
         micro_batches, mask = batch["micro_batches"], batch["loss_mask"]
         for net in nets:
             net.use_compile = args.compile and name == "fast"
-        terms = teacher_terms(teacher, micro_batches, path_args, autocast, name == "float32", run.device)
-        own = [batch_rows(parts, micro_batches, mask) for parts in zip(*terms_in_rows(terms, micro_batches))]
-        if name == "fast":
-            taught = own
+        terms, own = [None] * len(micro_batches), []  # the teacher's term of each, as the update takes it
+        if teacher is not None:  # through this path; float32: its bf16 matrices upcast for the while
+            with on_device(teacher, run.device, args.teacher_offload), autocast, float32_matrices(
+                    teacher, name == "float32"):
+                terms = ([teacher_top_logprobs(teacher, mb, path_args) for mb in micro_batches] if forward
+                         else frozen_logprobs(teacher, micro_batches, path_args, nullcontext()))
+            # in the rows' layout [N, T, ...]: (ids, top-k log-probs, the rest's or None), or (log-probs,)
+            own = [batch_rows(parts, micro_batches, mask) for parts in zip(*[
+                (in_rows(t["ids"], mb), *t["logprobs"]) if forward else (t,) for t, mb in zip(terms, micro_batches)])]
+        taught = own if name == "fast" else taught
         logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
         loss = 0.0
-        for i, mb in enumerate(micro_batches):
-            term = terms[i] if name == "fast" or teacher is None else term_for(taught, mb)
+        for term, mb in zip(terms, micro_batches):
+            if name != "fast" and teacher is not None:  # the fast path's, cut to this pass's padded rows
+                part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
+                term = {"ids": part[0], "logprobs": (part[1], part[2])} if forward else part[0]
             with autocast:
                 mb_loss, parts, mb_logprobs = micro_batch_loss(model, mb, None, None, term, advantages[mb["rows"]],
                                                                mask.sum(), path_args)
@@ -1742,49 +1712,16 @@ def self_check_paths(args, run, check, prompts, samples):
             if forward:
                 kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
         grads = torch.autograd.grad(loss, params)
-        values = mask.new_zeros(0)
-        if teacher is not None:  # the top-k log-probs and the rest's, or the tokens' log-probs: [N, T, k + 1 or 1]
-            values = torch.cat([t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2)
-            values = values * mask[..., None]
+        values = mask.new_zeros(0) if teacher is None else torch.cat(  # [N, T, k + 1 or 1]
+            [t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2) * mask[..., None]
         results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
                              sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
                              kl=kl if forward else mask.new_zeros(0))
     return results
 
 
-def teacher_terms(teacher, micro_batches, args, autocast, float32, device):
-    """The teacher's term of each micro-batch (None without a teacher), as the update takes it (frozen_terms),
-    through this path (packed or not, compiled or not: args, teacher.use_compile); float32: its bf16 matrices
-    upcast for the while (model.float32_matrices)."""
-    if teacher is None:
-        return [None] * len(micro_batches)
-    with on_device(teacher, device, args.teacher_offload), autocast, float32_matrices(teacher, float32):
-        if args.distill_divergence == "forward":
-            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-        return frozen_logprobs(teacher, micro_batches, args, nullcontext())
-
-
-def terms_in_rows(terms, micro_batches):
-    """Each micro-batch's teacher term as tensors in the rows' layout [R, width, ...]: (ids, top-k log-probs, the
-    rest's log-prob or None), or (log-probs,); none without a teacher."""
-    if terms[0] is None:
-        return []
-    if isinstance(terms[0], dict):
-        return [(in_rows(t["ids"], mb), *t["logprobs"]) for t, mb in zip(terms, micro_batches)]
-    return [(t,) for t in terms]
-
-
-def term_for(taught, mb):
-    """The teacher's term (taught: its tensors in the rows' layout, terms_in_rows' order, [N, T, ...]) for a micro-batch
-    of padded rows, whose pass's layout is the rows'."""
-    part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
-    return part[0] if len(part) == 1 else {"ids": part[0], "logprobs": (part[1], part[2])}
-
-
 def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
-    """Each path's distance against its bound (measured: what -> [fast, plain] distances from the float32 path;
-    decode: the sampler's): one line, or the run stops on the first path beyond its bound."""
-    bounds = {key: SELF_CHECK_FACTOR * plain + SELF_CHECK_FLOOR for key, (_, plain) in measured.items()}
+    """Each distance from the float32 path (measured: key -> [fast, plain]; decode: the sampler's) against its bound."""
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
@@ -1795,31 +1732,28 @@ def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
     decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
     (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
         measured[key] for key in SELF_CHECKED)
-    failed = [(what, value, bound, rounding, flag) for what, value, bound, rounding, flag in (
-        (f"{fast_path}: log-probs", fast_lp, bounds["logprobs"], plain_lp, fast_flag),
-        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, bounds["kl"],
-         plain_kl, fast_flag),
-        (f"{fast_path}: the gradient", fast_grad, bounds["grads"], plain_grad, fast_flag),
-        (f"{decode_path}: its log-probs", decode, bounds["logprobs"] + plain_lp, plain_lp, decode_flag),
-        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, bounds["teacher"], plain_teacher,
-         fast_flag),
-    ) if not value <= bound]
-    if failed:
-        what, value, bound, rounding, flag = failed[0]
-        remedy = f"run with {flag} (and report it)" if flag else "report it"
-        sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, the "
-                 f"run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
-                 "--no-self-check to train anyway")
+    for what, value, rounding, flag, slack in (  # slack: the decode's own rounding, one more plain pass's
+        (f"{fast_path}: log-probs", fast_lp, plain_lp, fast_flag, 0),
+        (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, plain_kl, fast_flag, 0),
+        (f"{fast_path}: the gradient", fast_grad, plain_grad, fast_flag, 0),
+        (f"{decode_path}: its log-probs", decode, plain_lp, decode_flag, plain_lp),
+        (f"the teacher's forward ({fast_path}): its log-probs", fast_teacher, plain_teacher, fast_flag, 0),
+    ):
+        bound = SELF_CHECK_FACTOR * rounding + SELF_CHECK_FLOOR + slack
+        if not value <= bound:
+            remedy = f"run with {flag} (and report it)" if flag else "report it"
+            sys.exit(f"error: self-check: {what} differ from the plain float32 path by {value:.3g} (bound {bound:.3g}, "
+                     f"the run's own rounding {rounding:.3g}): that path is wrong on this device; {remedy}, or "
+                     "--no-self-check to train anyway")
     taught = "" if run.teacher is None else (
         f"; the teacher's forward {fast_teacher:.2e} (plain {plain_teacher:.2e})" + (
             f", the forward KL {fast_kl:.2e} (plain {plain_kl:.2e})" if args.distill_divergence == "forward" else ""))
+    noise = f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero else ""
     steps = sorted({end for end in ends if end >= 0})
     ended = f", rows made to end at steps {', '.join(map(str, steps))}" if steps else ""
     run.log(f"self-check: {fast_path} vs the plain float32 path: log-probs {fast_lp:.2e} (plain {plain_lp:.2e}), "
             f"gradient {fast_grad:.2e} (plain {plain_grad:.2e}){taught}; {decode_path} log-probs {decode:.2e}{ended}; "
-            f"{len(ends)} rows" + (
-                f"; a fresh model's {zero} zero output projections and its head filled with noise for it" if zero
-                else "") + f"; {seconds:.1f}s")
+            f"{len(ends)} rows{noise}; {seconds:.1f}s")
 
 
 # -----------------------------------------------------------------------------
@@ -1831,53 +1765,47 @@ GiB = 2 ** 30
 
 def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=None, exact_attention=False,
                 teacher=None):
-    """-> {part: bytes per rank}. What stays all run (weights, optimizer state, reference), then the two phases
-    that follow each other: sampling (KV cache and logits of one --sample-batch-size chunk) and the update
-    (gradients, and an estimate of one micro-batch's activations). optimizer_state: the largest rank's bytes, when
-    known (they depend on neither phase). exact_attention: packed passes take the exact path, not flash attention
-    (the CPU, float32): its padded block is counted too. teacher: --teacher's model (shapes), held like the
-    reference."""
+    """-> {part: bytes per rank}: what stays all run, then the two phases that follow each other: sampling (one
+    --sample-batch-size chunk) and the update. optimizer_state: the largest rank's bytes, when known.
+    exact_attention: packed passes take the exact path, not flash attention (the CPU, float32): its block counts."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer_state is None:
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
         optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
-    compute_bytes = 2 if dtype == "bfloat16" else 4
-    ref_bytes = 0
-    if args.kl_coef and not args.lora_rank and not args.ref_offload:
-        ref_bytes = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")
-    c = model.config
+    c, compute_bytes = model.config, 2 if dtype == "bfloat16" else 4
     head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
     rows = sample_batch_rows(args, world_size)
     kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
     if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1)
-        activations = (f"update: activations of {micro_rows} packed rows, {tokens} tokens (estimate)",
-                       pass_activations(c, tokens, args))
+        passed = f"{micro_rows} packed rows, {tokens} tokens"
     elif args.pack:
-        activations = (f"update: activations of {args.tokens_per_pass} tokens (estimate)",
-                       pass_activations(c, args.tokens_per_pass, args))
+        tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"
     else:
-        activations = (f"update: activations of {micro_rows} rows (estimate)",
-                       pass_activations(c, micro_rows * length, args))
+        tokens, passed = micro_rows * length, f"{micro_rows} rows"
+    # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations gone
+    # (`python tests/bench_memory.py --muon`): counted as 10
+    muon_step = 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
+        len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
     exact = {} if not (args.pack and exact_attention) else {
         "update: exact attention's padded rows (bound)": exact_attention_bytes(
             c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
-        "reference model": ref_bytes,
+        "reference model": frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")
+        if args.kl_coef and not args.lora_rank and not args.ref_offload else 0,
         **({"teacher model": frozen_bytes(teacher, dtype == "bfloat16")} if teacher is not None
            and not args.teacher_offload else {}),
-        # bf16 autocast keeps a bf16 copy of each weight a matmul reads, from the forward to the backward, and
-        # through a generate call
+        # autocast keeps a bf16 copy of each weight a matmul reads, forward to backward and through a generate call
         "bf16 copies of the weights (autocast)": 2 * sum(m.weight.numel() for m in model.modules() if isinstance(
             m, torch.nn.Linear)) if compute_bytes == 2 else 0,
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        MUON_STEP: muon_step_bytes(model, args),
-        activations[0]: activations[1],
+        MUON_STEP: muon_step,
+        f"update: activations of {passed} (estimate)": pass_activations(c, tokens, args),
         **exact,
         # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
         # token of the rank's step, taken before the update and kept through it
@@ -1890,15 +1818,6 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
 MUON_STEP = "update: Muon's step, stacks of its matrices (bound)"
 
 
-def muon_step_bytes(model, args):
-    """Bytes Muon's step holds beside the gradients, at most: 9.25 float32 copies of its largest stack at the peak
-    (the update, momentum, NorMuon's terms and the measurement's copy: `python tests/bench_memory.py --muon`), counted
-    as 10. The activations are gone by then: a bound."""
-    if args.optimizer != "muon" or args.lora_rank:
-        return 0
-    return 10 * max(len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
-
-
 def frozen_bytes(net, bf16_matrices):
     """Bytes of a model that does not train (frozen): its matrices in bf16 when bf16_matrices, the rest float32."""
     linear = {id(m.weight) for m in net.modules() if isinstance(m, torch.nn.Linear)}
@@ -1906,10 +1825,8 @@ def frozen_bytes(net, bf16_matrices):
 
 
 def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
-    """Bytes of the exact path of packed attention (model.packed_attention off flash attention): a pass's rows
-    gathered into a block of [rows, longest row], queries, keys, values and the output kept for the backward in
-    every layer. Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's static shape), or at
-    most one per token of the budget."""
+    """Bytes of packed attention's exact path: q, k, v and output of a [rows, longest row] block kept in every layer.
+    Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's shape), or one per token at most."""
     most = minibatch_rows(args, world_size)
     rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
         most, tokens_per_pass)
@@ -1918,15 +1835,11 @@ def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, token
 
 
 def pass_activations(c, tokens, args):
-    """Bytes of one forward and backward pass over this many tokens (a packed pass, or rows x their width): ~76
-    bytes per token, layer and unit of width eager, ~48 compiled (inductor keeps fewer intermediates), and the
-    head's one chunk of at most HEAD_CHUNK logits at ~24 bytes an element with the entropies' gradient
-    (--entropy-coef > 0), 16 without (token_logprobs). Measured, not derived, on an H200 at d20 under bf16 autocast
-    (the residual stream and the norms stay float32 there; 34 is the count of Korthikanti et al. 2022 for an
-    all-16-bit block): 75-76 eager, the plan within 4% of torch's allocated peak; compiled, 46.7 from the peaks of
-    two pass sizes (32,768 and 65,664 tokens), the plan 2-3% over those peaks; the head's chunk, 24.0-24.4 and
-    16.0-16.4 at torch's allocated peak on a CPU, bf16 or float32, and 8 more with the forward KL's gather
-    (`python tests/bench_memory.py --head`; docs/performance.md)."""
+    """Bytes of one forward and backward pass over this many tokens: ~76 bytes per token, layer and unit of width
+    eager, ~48 compiled (inductor keeps fewer intermediates), and the head's chunk of at most HEAD_CHUNK logits at ~24
+    bytes an element with the entropies' gradient, 16 without. Measured (bf16 autocast keeps the residual stream and
+    norms float32: not Korthikanti et al.'s 34): on an H200 at d20, 75-76 eager, 46.7 compiled (the plan within 4%
+    of torch's allocated peak); the head's, 24.0-24.4 and 16.0-16.4 on a CPU (`python tests/bench_memory.py --head`)."""
     head_positions = min(tokens, max(1, HEAD_CHUNK // c.vocab_size))
     head_bytes = 24 if args.entropy_coef > 0 else 16  # the entropies' graph kept only for an entropy bonus
     if args.distill_coef and args.distill_divergence == "forward":  # the teacher's top-k gathered from the student's
@@ -1949,8 +1862,7 @@ def plan_peak(plan):
 
 
 def planned_optimizer_state(model, args, owners, world_size):
-    """-> bytes of optimizer state on each rank: the optimizers built on the meta-device model and stepped once on
-    zero gradients, so that every piece of state is counted as they allocate it."""
+    """-> each rank's optimizer state bytes, as the optimizers allocate it: built on the meta model, stepped once."""
     optimizers = make_optimizers(model, args)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -1969,8 +1881,7 @@ def planned_optimizer_state(model, args, owners, world_size):
 
 def sample_batch_rows(args, world_size):
     """Replies a generate call samples: --sample-batch-size in whole groups, at most this rank's step."""
-    rows = args.prompts_per_step // world_size * args.num_samples
-    G = args.num_samples
+    rows, G = args.prompts_per_step // world_size * args.num_samples, args.num_samples
     return min(rows, max(G, (args.sample_batch_size or rows) // G * G))
 
 
@@ -1989,14 +1900,12 @@ def free_memory(device):
 
 
 def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher=None):
-    """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). On a GPU without
-    --sample-batch-size, it is set to as many replies as fit beside what stays (90% of the free memory); without
-    --device-batch-size, to as many rows as fit beside what stays and the gradients, at most the rank's step.
-    Off a GPU, --ref-offload and --teacher-offload keep the model where it is: counted."""
-    planned = args if gpu else SimpleNamespace(**dict(vars(args), ref_offload=False, teacher_offload=False))
+    """-> (the plan, the plan at the smallest chunks: one group a generate call, one row a pass). Unset chunks are
+    fitted to 90% of the free memory: --sample-batch-size on a GPU; the rows or tokens a pass, at most the step's."""
+    on_cpu = {} if gpu else dict(ref_offload=False, teacher_offload=False)  # off a GPU they stay where they are
     longest_row = longest_prompt + args.max_new_tokens - 1
     exact = not flash_varlen_takes(gpu, getattr(torch, dtype), model.config.n_embd // model.config.n_head)
-    smallest = memory_plan(model, SimpleNamespace(**dict(vars(planned), sample_batch_size=args.num_samples,
+    smallest = memory_plan(model, SimpleNamespace(**dict(vars(args), **on_cpu, sample_batch_size=args.num_samples,
                                                          device_batch_size=1, tokens_per_pass=longest_row)),
                            world_size, longest_prompt, dtype, exact_attention=exact, teacher=teacher)
     if args.sample_batch_size is None and gpu:
@@ -2007,22 +1916,18 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
     if args.device_batch_size is None and not args.pack:
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
-    if args.tokens_per_pass is None and args.pack:  # the most that fit, a multiple of 128 (the kernels' tiles),
-        # at most the rank's whole step
+    if args.tokens_per_pass is None and args.pack:  # the most that fit, in 128s (the kernels' tiles)
         compute_bytes = 2 if dtype == "bfloat16" else 4
         fits = [t for t in range(128, rows * longest_row + 128, 128)
                 if pass_activations(model.config, t, args) + (exact_attention_bytes(
                     model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
-    planned = SimpleNamespace(**dict(vars(planned), device_batch_size=args.device_batch_size,
-                                     sample_batch_size=args.sample_batch_size, tokens_per_pass=args.tokens_per_pass))
-    return memory_plan(model, planned, world_size, longest_prompt, dtype, smallest["optimizer state per rank"],
-                       exact, teacher), smallest
+    return memory_plan(model, SimpleNamespace(**dict(vars(args), **on_cpu)), world_size, longest_prompt, dtype,
+                       smallest["optimizer state per rank"], exact, teacher), smallest
 
 
 def plan_memory(args, world_size, device, dtype, task, log):
-    """Print the memory plan (rank 0), pick the sampling chunk on a GPU, and stop with one line when even the
-    smallest chunks cannot fit: before the checkpoint is read."""
+    """Print the memory plan (rank 0), fit the chunks left unset, and stop with one line if even the smallest can't."""
     model, tokenizer, _ = load_policy(args, lambda *a: None, shapes_only=True)
     if args.lora_rank:
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
@@ -2034,8 +1939,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
         if getattr(args, f"{flag}_offload") and not gpu:
             log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
     plan, smallest = fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teacher)
+    rows_flag, per_pass = (("--tokens-per-pass", args.tokens_per_pass) if args.pack and not args.device_batch_size
+                           else ("--device-batch-size", args.device_batch_size))
     longest_row = longest_prompt + args.max_new_tokens - 1  # input tokens: the prompt and the reply but its last
-    if args.pack and not args.device_batch_size and longest_row > args.tokens_per_pass:  # (rows a pass: any length)
+    if rows_flag == "--tokens-per-pass" and longest_row > per_pass:  # (rows a pass: any length)
         sys.exit(f"error: --tokens-per-pass {args.tokens_per_pass} is less than the longest row, {longest_row} tokens "
                  f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
                  f"raise it to at least {longest_row}, or lower --max-new-tokens")
@@ -2046,11 +1953,9 @@ def plan_memory(args, world_size, device, dtype, task, log):
             ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
-    where = f"{device.type}, {size(free)} free" + (f", optimizer state sharded over {world_size} ranks"
-                                                    if world_size > 1 and args.shard_optimizer else "") + (
-        f"; --tokens-per-pass {args.tokens_per_pass}" if args.pack and not args.device_batch_size
-        else f"; --device-batch-size {args.device_batch_size}")
-    log(f"memory plan per rank ({where}; prompts up to {longest_prompt} tokens):\n" + "\n".join(
+    sharded = f", optimizer state sharded over {world_size} ranks" if world_size > 1 and args.shard_optimizer else ""
+    log(f"memory plan per rank ({device.type}, {size(free)} free{sharded}; {rows_flag} {per_pass}; prompts up to "
+        f"{longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
         kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
@@ -2058,7 +1963,6 @@ def plan_memory(args, world_size, device, dtype, task, log):
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
-        rows_flag = "--tokens-per-pass" if args.pack and not args.device_batch_size else "--device-batch-size"
         log(f"warning: the plan's peak ({size(plan_peak(plan))}) is above the free {size(free)}: lower "
             f"--sample-batch-size or {rows_flag} if the run runs out of memory")
     return longest_prompt
