@@ -413,12 +413,17 @@ def frozen_terms(model, batch, args, autocast, ref_model=None, teacher=None):
             ref_logprobs = frozen_logprobs(ref_model, micro_batches, args, autocast)
     if teacher is not None:  # on the same passes
         with on_device(teacher, device, args.teacher_offload):
-            if args.distill_divergence == "forward":
-                with autocast:
-                    teacher_logprobs = [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
-            else:
-                teacher_logprobs = frozen_logprobs(teacher, micro_batches, args, autocast)
+            teacher_logprobs = teacher_terms(teacher, micro_batches, args, autocast)
     return old_logprobs, ref_logprobs, teacher_logprobs
+
+
+def teacher_terms(teacher, micro_batches, args, autocast):
+    """The teacher's frozen term of each micro-batch: its top-k log-probs and the rest's (--distill-divergence
+    forward: teacher_top_logprobs), or its log-probs of the sampled tokens [R, width] (sampled)."""
+    if args.distill_divergence == "forward":
+        with autocast:
+            return [teacher_top_logprobs(teacher, mb, args) for mb in micro_batches]
+    return frozen_logprobs(teacher, micro_batches, args, autocast)
 
 
 def minibatch_step(model, optimizers, stats, minibatch_loss, learns, args, owners):
@@ -1690,10 +1695,8 @@ def self_check_paths(args, run, check, prompts, samples):
             net.use_compile = args.compile and name == "fast"
         terms, own = [None] * len(micro_batches), []  # the teacher's term of each, as the update takes it
         if teacher is not None:  # through this path; float32: its bf16 matrices upcast for the while
-            with on_device(teacher, run.device, args.teacher_offload), autocast, float32_matrices(
-                    teacher, name == "float32"):
-                terms = ([teacher_top_logprobs(teacher, mb, path_args) for mb in micro_batches] if forward
-                         else frozen_logprobs(teacher, micro_batches, path_args, nullcontext()))
+            with on_device(teacher, run.device, args.teacher_offload), float32_matrices(teacher, name == "float32"):
+                terms = teacher_terms(teacher, micro_batches, path_args, autocast)
             # in the rows' layout [N, T, ...]: (ids, top-k log-probs, the rest's or None), or (log-probs,)
             own = [batch_rows(parts, micro_batches, mask) for parts in zip(*[
                 (in_rows(t["ids"], mb), *t["logprobs"]) if forward else (t,) for t, mb in zip(terms, micro_batches)])]
