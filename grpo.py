@@ -2731,8 +2731,7 @@ def setup_problems(args):
 
 @contextmanager
 def lock_run_dir(run_dir):
-    """One process at a time in a run directory: two would interleave their writes. The kernel drops the flock of a
-    process that dies: a killed run never blocks the next start."""
+    """One process at a time in a run directory (the kernel drops a dead process's flock: a killed run blocks none)."""
     created = not os.path.exists(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -2886,8 +2885,8 @@ def resumable(args, run_config, config, checkpoint_dir):
 
 
 def restore_training_state(run, state, state_path):
-    """A state_<step>.pt's contents (master weights, optimizer states, the reference) into the run's model, optimizers
-    and reference; one that does not fit (another run's, a model file under its name) -> CheckpointFileError."""
+    """A state_<step>.pt's master weights, optimizer states and reference into the run's; one that does not fit (another
+    run's, a model file under its name) -> CheckpointFileError."""
     try:
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
@@ -2959,9 +2958,9 @@ class Abandoned(Exception):
 
 
 def run_eval(args, run, step, num_examples):
-    """Evaluate the policy at this step; a training run logs it to metrics.jsonl and evals/step_<step>.jsonl,
-    --resume --eval-only to its own eval_only.jsonl and evals/eval_only_step_<step>.jsonl. -> the metrics, or None
-    when a stop signal during the steps abandoned it (it only reads: the step is saved at once, end_of_step)."""
+    """Evaluate the policy at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
+    eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
+    abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
     stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
@@ -3063,18 +3062,21 @@ def pass_at_k(n, c, k):
 
 
 EVAL_BATCH = 32  # problems sampled in one generate call
+PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's line is redrawn at every batch)
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None, label="eval"):
     """Greedy replies scored by the task (eval_reward, its eval metrics) and pass@1..k from --pass-k samples. Rank r
     takes problems r, r + world_size, ...; sums are reduced over ranks. stop: called by every rank before each batch
-    (as often on each), raises Abandoned if true; label: for progress lines. -> (metrics, this rank's greedy replies)"""
+    (as often on each), raises Abandoned if true. label: rank 0's progress lines', with the time left (in a log file
+    after the first batch, then every PROGRESS_SECONDS, none at the end). -> (metrics, this rank's greedy replies)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
-    replies, start, chunk, shown = [], time.time(), EVAL_BATCH, [None]  # shown: the last progress line's time
+    replies, start, chunk, shown = [], time.time(), EVAL_BATCH, None  # shown: when the last progress line was
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     for i in range(0, -(-n // world_size), chunk):
         if stop is not None and stop():
             raise Abandoned
@@ -3100,29 +3102,17 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
                               for g in range(args.pass_k))
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])
-        progress(label, min(i + chunk, len(mine)), len(mine), start, shown)
+        done, total, elapsed = min(i + chunk, len(mine)), len(mine), time.time() - start
+        line = f"{label}: {done}/{total} problems ({elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left)"
+        if rank0 and sys.stdout.isatty():
+            print(f"\r{line}", end="" if done < total else "\n", flush=True)
+        elif rank0 and done < total and (shown is None or elapsed - shown >= PROGRESS_SECONDS):
+            print(line, flush=True)
+            shown = elapsed
     totals = all_reduce(totals)
     means = (totals / totals[0].clamp(min=1)).tolist()
     keys = ["eval_reward"] + [f"eval_{name}" for name in names] + [f"eval_pass@{k}" for k in range(1, args.pass_k + 1)]
     return {"eval_examples": int(totals[0]), **dict(zip(keys, means[1:]))}, replies
-
-
-PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's line is redrawn at every batch)
-
-
-def progress(label, done, total, start, shown):
-    """Progress with time left, on rank 0: redrawn in place on a terminal; in a log file after the first batch, then
-    every PROGRESS_SECONDS, none at the end (the result's line follows). shown: [the last line's time or None]."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    now = time.time()
-    elapsed = now - start
-    line = f"{label}: {done}/{total} problems ({elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left)"
-    if sys.stdout.isatty():
-        print(f"\r{line}", end="" if done < total else "\n", flush=True)
-    elif done < total and (shown[0] is None or now - shown[0] >= PROGRESS_SECONDS):
-        print(line, flush=True)
-        shown[0] = now
 
 
 # -----------------------------------------------------------------------------
@@ -3228,8 +3218,7 @@ def episode_columns(runs_metrics):
 
 
 def run_summary(config, metrics, watched=(), episodes=()):
-    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the episode columns (each the last
-    value logged) and the watched tasks' last scores."""
+    """One run's numbers in COMPARE_HEADER's order from "steps" on, then its last episode columns and watched scores."""
     train = [m for m in metrics if "reward" in m]
     last = train[-1] if train else {}
     evals = metric_column(metrics, eval_score_key(config))
@@ -3299,8 +3288,7 @@ def plot_runs(names, configurations, plot_path):
                 continue
             values = torch.tensor([by_step[s] for s in steps], dtype=torch.float64)  # [steps, seeds]
             mean = values.mean(dim=1)
-            label = (name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)") + (
-                f": {task}" if task else "")
+            label = name + (f" ({len(seeds)} seeds, mean ± std)" if len(seeds) > 1 else "") + (task and f": {task}")
             ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None or key in correct else None,
                     markersize=3, linestyle="--" if task else "-")
             if len(seeds) > 1:
