@@ -2773,13 +2773,12 @@ def write_run_files(args, run):
     may have changed); run.start_evaluated: they hold its start step's eval. -> the earlier segments' wall time."""
     if not run.master:
         return 0.0
-    kept = {path: [] for path in (run.metrics_path, run.samples_path)}
-    for path in kept:
-        if args.resume and run.start_step > 0 and os.path.isfile(path):
-            try:
-                kept[path] = [m for m in read_step_log(path, run.log) if m["step"] <= run.start_step]
-            except ValueError as e:
-                sys.exit(f"error: --resume: {e}")
+    resumed = args.resume and run.start_step > 0
+    try:
+        kept = {path: [m for m in read_step_log(path, run.log) if m["step"] <= run.start_step]
+                if resumed and os.path.isfile(path) else [] for path in (run.metrics_path, run.samples_path)}
+    except ValueError as e:
+        sys.exit(f"error: --resume: {e}")
     evals_dir = os.path.join(run.run_dir, "evals")
     for name in os.listdir(evals_dir) if os.path.isdir(evals_dir) else []:
         if (m := re.fullmatch(r"step_(\d+)\.jsonl", name)) and not (args.resume and int(m[1]) <= run.start_step):
@@ -2885,8 +2884,7 @@ def resumable(args, run_config, config, checkpoint_dir):
 
 
 def restore_training_state(run, state, state_path):
-    """A state_<step>.pt's master weights, optimizer states and reference into the run's; one that does not fit (another
-    run's, a model file under its name) -> CheckpointFileError."""
+    """A state_<step>.pt's weights, optimizer states and reference into the run's; another's -> CheckpointFileError."""
     try:
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
