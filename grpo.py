@@ -2638,8 +2638,7 @@ def setup_problems(args):
 
 @contextmanager
 def lock_run_dir(run_dir):
-    """One process trains in a run directory at a time: two copies of a command would interleave their writes.
-    The kernel drops a flock when its process dies, so the lock of a killed run never blocks the next start."""
+    """One process at a time in a run directory (the kernel drops a dead process's flock: a killed run blocks none)."""
     created = not os.path.exists(run_dir)
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -2661,45 +2660,32 @@ def lock_run_dir(run_dir):
                 shutil.rmtree(run_dir, ignore_errors=True)
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tokenizer", "evals", ".lock")  # before any step
-
-
 def discard_unstarted(run_dir):
-    """A run stopped before its first training step (on a changed input: a user's grader or task that failed) holds
-    nothing a retry could use, and its folder would refuse the same command: its files go (the folder too, when
-    nothing else is in it). -> whether they went."""
+    """A run stopped before its first training step (a user's grader or task failed) holds nothing a retry could use,
+    and its folder would refuse the same command: it goes, if it holds only a run's first files. -> whether it went"""
     try:
-        if any("reward" in m for m in read_step_log(os.path.join(run_dir, "metrics.jsonl"), lambda line: None)):
-            return False
+        started = any("reward" in m for m in read_step_log(os.path.join(run_dir, "metrics.jsonl"), lambda line: None))
     except (OSError, ValueError):
         return False
-    if not set(os.listdir(run_dir)) <= set(RUN_FILES):  # a checkpoint, or a file of the user's
+    first_files = {"config.json", "metrics.jsonl", "samples.jsonl", "tokenizer", "evals", ".lock"}
+    if started or not set(os.listdir(run_dir)) <= first_files:  # a checkpoint, or a file of the user's
         return False
-    for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
-    os.rmdir(run_dir)
+    shutil.rmtree(run_dir)
     return True
 
 
 def write_run_files(args, run):
-    """config.json, the tokenizer (the run folder is a nanochat base dir) and metrics.jsonl, on rank 0. A resumed
-    run keeps the metrics up to its checkpoint (the steps after it run again) and rewrites config.json, whose
-    evaluation and saving flags may have changed; run.start_evaluated says whether they hold the eval of the step it
-    resumes at. -> the wall time of the run's earlier segments."""
+    """config.json, the tokenizer (the run folder is a nanochat base dir) and metrics.jsonl, on rank 0. A resumed run
+    keeps the logs up to its checkpoint (later steps run again) and rewrites config.json (its eval and saving flags
+    may have changed); run.start_evaluated: they hold its start step's eval. -> the earlier segments' wall time."""
     if not run.master:
         return 0.0
-    kept = {}
-    for path in (run.metrics_path, run.samples_path):
-        kept[path] = []
-        if args.resume and run.start_step > 0 and os.path.isfile(path):
-            try:
-                kept[path] = [m for m in read_step_log(path, run.log) if m["step"] <= run.start_step]
-            except ValueError as e:
-                sys.exit(f"error: --resume: {e}")
+    resumed = args.resume and run.start_step > 0
+    try:
+        kept = {path: [m for m in read_step_log(path, run.log) if m["step"] <= run.start_step]
+                if resumed and os.path.isfile(path) else [] for path in (run.metrics_path, run.samples_path)}
+    except ValueError as e:
+        sys.exit(f"error: --resume: {e}")
     evals_dir = os.path.join(run.run_dir, "evals")
     for name in os.listdir(evals_dir) if os.path.isdir(evals_dir) else []:
         if (m := re.fullmatch(r"step_(\d+)\.jsonl", name)) and not (args.resume and int(m[1]) <= run.start_step):
@@ -2714,8 +2700,7 @@ def write_run_files(args, run):
     return max((m["wall_time"] for m in kept[run.metrics_path] if "wall_time" in m), default=0.0)
 
 
-# What a run's config.json calls the program's version: a change in what the flags do, or in what a run folder
-# holds, gives it a new number, and --resume refuses a run of another (its steps would not be the ones it began).
+# config.json's "version": new when what flags do or what a run folder holds changes; --resume refuses other ones
 VERSION = 2
 
 
@@ -2778,18 +2763,16 @@ def resumable(args, run_config, config, checkpoint_dir):
                  f"checkpoint: --init {checkpoint_dir}")
     for name, digest in run_config["inputs"].items():
         if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
+            kind, _, which = name.partition(":")
             flag = task_class(args.task).data_flags.get(name, "--task")
-            sys.exit(f"error: --resume: the run's {INPUTS[name.split(':')[0]].format(flag)}"
-                     f"{name.partition(':')[2] and ' '}"
-                     f"{name.partition(':')[2]} changed since it started (sha256 {str(digest)[:12]} "
-                     f"then, {str(config['inputs'][name])[:12]} now): put the original back, or go on deliberately "
-                     f"with a new run that starts from the checkpoint: --init {checkpoint_dir}")
-    evaluating = bool(args.eval_only or args.ask)
-    # an evaluation reads the policy alone, and samples as it is told
-    unread = flags_with("teacher") + flags_with("sampling") + flags_with("machine") if evaluating else ()
-    differing = sorted(k for k in set(run_config) | set(config) if k not in ("resumed_with", "inputs", "scores",
-                                                                             "task_code")
-                       and config.get(k) != run_config.get(k) and k not in flags_with("observes") + unread)
+            sys.exit(f"error: --resume: the run's {INPUTS[kind].format(flag)}{which and ' '}{which} changed since it "
+                     f"started (sha256 {str(digest)[:12]} then, {str(config['inputs'][name])[:12]} now): put the "
+                     f"original back, or go on deliberately with a new run that starts from the checkpoint: --init "
+                     f"{checkpoint_dir}")
+    evaluating = bool(args.eval_only or args.ask)  # an evaluation reads the policy alone, and samples as it is told
+    ignored = ("resumed_with", "inputs", "scores", "task_code") + flags_with("observes") + (
+        flags_with("teacher") + flags_with("sampling") + flags_with("machine") if evaluating else ())
+    differing = sorted(k for k in {**run_config, **config} if k not in ignored and config.get(k) != run_config.get(k))
     refused = [k for k in differing if k not in flags_with("step-size") + flags_with("spread") + ("world_size",)]
     if "num_steps" in refused and not evaluating:  # the schedule ends at the run's last step: more steps are a new run
         steps, others = run_config.get("num_steps"), [k for k in refused if k != "num_steps"]
@@ -2808,8 +2791,7 @@ def resumable(args, run_config, config, checkpoint_dir):
 
 
 def restore_training_state(run, state, state_path):
-    """A state_<step>.pt's contents (master weights, optimizer states, the reference) into the run's model, optimizers
-    and reference; one that does not fit (another run's, a model file under its name) -> CheckpointFileError."""
+    """A state_<step>.pt's weights, optimizer states and reference into the run's; another's -> CheckpointFileError."""
     try:
         missing = master_weight_names(run.model) - set(state["master_weights"])
         if missing:
@@ -2881,9 +2863,9 @@ class Abandoned(Exception):
 
 
 def run_eval(args, run, step, num_examples):
-    """Evaluate the policy at this step; a training run logs it to metrics.jsonl and evals/step_<step>.jsonl,
-    --resume --eval-only to its own eval_only.jsonl and evals/eval_only_step_<step>.jsonl. -> the metrics, or None
-    when a stop signal during the steps abandoned it (it only reads: the step is saved at once, end_of_step)."""
+    """Evaluate the policy at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
+    eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
+    abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
     stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
@@ -2943,9 +2925,8 @@ def evaluation_settings(args):
 
 
 def ask(args, run):
-    """--ask: the start policy's replies to one question, greedy then --num-samples sampled at --temperature, each
-    with the task's grade when the question is one of the task's problems; its first lines name the policy and the
-    settings. -> [(reply, reward or None)]."""
+    """--ask: the start policy's replies to one question, greedy then --num-samples sampled, graded when the question
+    is one of the task's problems; the first lines name the policy and the settings. -> [(reply, reward or None)]."""
     task = run.train_task
 
     def question(problem):
@@ -2986,21 +2967,21 @@ def pass_at_k(n, c, k):
 
 
 EVAL_BATCH = 32  # problems sampled in one generate call
+PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's line is redrawn at every batch)
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None, label="eval"):
-    """Greedy replies scored by the task (eval_reward and the task's eval metrics), and pass@1..k from --pass-k
-    samples, replies up to --eval-max-new-tokens long. Rank r takes problems r, r + world_size, ...; the sums are
-    reduced over ranks. stop: called by every rank before each batch (as many on each: rank 0's count), raises
-    Abandoned when it says so. label: what the progress lines call it. -> (the metrics, this rank's greedy replies
-    with their verdicts)"""
+    """Greedy replies scored by the task (eval_reward, its eval metrics) and pass@1..k from --pass-k samples. Rank r
+    takes problems r, r + world_size, ...; sums are reduced over ranks. stop: called by every rank before each batch
+    (as often on each), raises Abandoned if true. label: rank 0's progress lines', with the time left (in a log file
+    after the first batch, then every PROGRESS_SECONDS, none at the end). -> (metrics, this rank's greedy replies)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
-    replies, start, chunk = [], time.time(), EVAL_BATCH
-    shown = [None]  # the last progress line's time
+    replies, start, chunk, shown = [], time.time(), EVAL_BATCH, None  # shown: when the last progress line was
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     for i in range(0, -(-n // world_size), chunk):
         if stop is not None and stop():
             raise Abandoned
@@ -3026,32 +3007,17 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
                               for g in range(args.pass_k))
                 totals[2 + len(names):] += torch.tensor([pass_at_k(args.pass_k, correct, k)
                                                          for k in range(1, args.pass_k + 1)])
-        progress(label, min(i + chunk, len(mine)), len(mine), start, shown)
+        done, total, elapsed = min(i + chunk, len(mine)), len(mine), time.time() - start
+        line = f"{label}: {done}/{total} problems ({elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left)"
+        if rank0 and sys.stdout.isatty():
+            print(f"\r{line}", end="" if done < total else "\n", flush=True)
+        elif rank0 and done < total and (shown is None or elapsed - shown >= PROGRESS_SECONDS):
+            print(line, flush=True)
+            shown = elapsed
     totals = all_reduce(totals)
-    count = totals[0].clamp(min=1)
-    result = {"eval_examples": int(totals[0]), "eval_reward": (totals[1] / count).item()}
-    result.update({f"eval_{name}": (totals[2 + j] / count).item() for j, name in enumerate(names)})
-    result.update({f"eval_pass@{k}": (totals[1 + len(names) + k] / count).item() for k in range(1, args.pass_k + 1)})
-    return result, replies
-
-
-PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's line is redrawn at every batch)
-
-
-def progress(label, done, total, start, shown):
-    """Progress with time left, on rank 0: redrawn in place on a terminal; in a log file a line after the first
-    batch, then one every PROGRESS_SECONDS, none at the end (the result's line follows). shown: [the time of the
-    last line, None before the first] -> updated."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    now = time.time()
-    elapsed = now - start
-    line = f"{label}: {done}/{total} problems ({elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left)"
-    if sys.stdout.isatty():
-        print(f"\r{line}", end="" if done < total else "\n", flush=True)
-    elif done < total and (shown[0] is None or now - shown[0] >= PROGRESS_SECONDS):
-        print(line, flush=True)
-        shown[0] = now
+    means = (totals / totals[0].clamp(min=1)).tolist()
+    keys = ["eval_reward"] + [f"eval_{name}" for name in names] + [f"eval_pass@{k}" for k in range(1, args.pass_k + 1)]
+    return {"eval_examples": int(totals[0]), **dict(zip(keys, means[1:]))}, replies
 
 
 # -----------------------------------------------------------------------------
@@ -3060,11 +3026,6 @@ def progress(label, done, total, start, shown):
 COMPARE_HEADER = ["run", "task", "preset", "advantage", "seeds", "steps", "reward(last10)", "best reward", "first eval",
                   "eval", "best eval", "pass@1", "pass@k", "kl", "teacher kl", "clip frac", "reply len", "wall s",
                   "tok/s"]
-
-
-def not_configuration():
-    """What does not make a configuration: runs that differ only in these are seeds of one configuration."""
-    return ("seed", "inputs") + flags_with("observes")
 
 
 def eval_score_key(config, watched=""):
@@ -3080,8 +3041,8 @@ def watched_tasks(configurations):
 
 def compare_runs(run_dirs, plot_path):
     """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed. Runs that
-    differ only in --seed are one configuration: one row of mean ± std over its seeds, one mean curve with a ±std
-    band."""
+    differ only in --seed are one configuration: a row of mean ± std over its seeds, a mean curve with a ±std band."""
+    seed_only = ("seed", "inputs") + flags_with("observes")  # what does not make a configuration
     configurations = {}  # the flags that make a configuration -> [(run_dir, config, metrics)], one per seed
     for run_dir in run_dirs:
         try:
@@ -3093,45 +3054,47 @@ def compare_runs(run_dirs, plot_path):
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
         if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
             config = dict(config, advantage="gdpo")
-        key = json.dumps({k: v for k, v in config.items() if k not in not_configuration()}, sort_keys=True)
+        key = json.dumps({k: v for k, v in config.items() if k not in seed_only}, sort_keys=True)
         twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
         if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
             print(f"note: {run_dir} ran the same configuration with the same seed as {twin}: shown as its own row")
             key += run_dir
         configurations.setdefault(key, []).append((run_dir, config, metrics))
-    names = []
-    for seeds in configurations.values():  # a folder name, without the seed when there are several seeds
-        name = os.path.basename(os.path.normpath(seeds[0][0]))
-        names.append(re.sub(r"-seed\d+$", "", name) if len(seeds) > 1 else name)
+    groups = list(configurations.values())
+    configs = [seeds[0][1] for seeds in groups]
+    names = [os.path.basename(os.path.normpath(seeds[0][0])) for seeds in groups]  # without the seed of several
+    names = [re.sub(r"-seed\d+$", "", name) if len(seeds) > 1 else name for name, seeds in zip(names, groups)]
     clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
-             else name for name, seeds in zip(names, configurations.values())]
-    watched = watched_tasks(configurations.values())
-    episodes = episode_columns([metrics for seeds in configurations.values() for _, _, metrics in seeds])
+             else name for name, seeds in zip(names, groups)]
+    watched = watched_tasks(groups)
+    episodes = episode_columns([metrics for seeds in groups for _, _, metrics in seeds])
     table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
              + watched]  # a watched task's column: its eval score at the end
-    for name, seeds in zip(names, configurations.values()):
-        per_seed = [run_summary(config, metrics, watched, episodes) for _, config, metrics in seeds]
-        table.append([name, task_name(seeds[0][1]["task"]), preset_of(seeds[0][1]), seeds[0][1].get("advantage"),
-                      len(seeds)]
+    for name, seeds, config in zip(names, groups, configs):
+        per_seed = [run_summary(c, metrics, watched, episodes) for _, c, metrics in seeds]
+        table.append([name, task_name(config["task"]), preset_of(config), config.get("advantage"), len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(fmt(v).rjust(w) for v, w in zip(row, widths)))
-    scores = {task_name(seeds[0][1]["task"]): eval_score_key(seeds[0][1]) for seeds in configurations.values()}
+    scores = {task_name(config["task"]): eval_score_key(config) for config in configs}
     print("first eval / eval = at the start / end of the run, greedy on held-out problems: "
           + ", ".join(f"{task} {key}" for task, key in scores.items())
           + "; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))
     if len(scores) > 1:
         print(f"note: these runs trained on {len(scores)} tasks ({', '.join(scores)}): their scores do not compare")
-    differing = differing_flags([seeds[0][1] for seeds in configurations.values()])
+    dests = [a.dest for a in parser._actions if a.option_strings and a.dest not in seed_only]
+    differ = [k for k in dict.fromkeys(dests) if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+    differing = [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
+                           else c.get(k) for k in differ}) for c in configs]
     if any(differing):
         print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose "
               "settings a run has, or custom):")
         for name, flags in zip(names, differing):
             print(f"  {name.ljust(max(map(len, names)))}  {flags}")
-    plot_runs(names, list(configurations.values()), plot_path)
+    plot_runs(names, groups, plot_path)
     return table
 
 
@@ -3148,14 +3111,6 @@ def preset_of(config):
     return "custom"
 
 
-def differing_flags(configs):
-    """-> for each run's configuration, the flags whose values are not the same in all of them, as flags."""
-    names = [a.dest for a in parser._actions if a.option_strings and a.dest not in not_configuration()]
-    differ = [k for k in dict.fromkeys(names) if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
-    return [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
-                      else c.get(k) for k in differ}) for c in configs]
-
-
 def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
 
@@ -3168,14 +3123,11 @@ def episode_columns(runs_metrics):
 
 
 def run_summary(config, metrics, watched=(), episodes=()):
-    """One run's numbers, in the order of COMPARE_HEADER from "steps" on, then the episode columns (each the last
-    value logged) and the watched tasks' last scores."""
+    """One run's numbers in COMPARE_HEADER's order from "steps" on, then its last episode columns and watched scores."""
     train = [m for m in metrics if "reward" in m]
+    last = train[-1] if train else {}
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
-
-    def last(key):
-        return train[-1].get(key) if train else None
 
     def mean_of(key):  # over the steps that logged it
         values = [m[key] for m in train if m.get(key) is not None]
@@ -3185,7 +3137,7 @@ def run_summary(config, metrics, watched=(), episodes=()):
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-            last("kl"), last("teacher_kl"), mean_of("clip_frac"), last("reply_len"), last("wall_time"),
+            last.get("kl"), last.get("teacher_kl"), mean_of("clip_frac"), last.get("reply_len"), last.get("wall_time"),
             mean_of("tokens_per_s")] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
@@ -3241,8 +3193,7 @@ def plot_runs(names, configurations, plot_path):
                 continue
             values = torch.tensor([by_step[s] for s in steps], dtype=torch.float64)  # [steps, seeds]
             mean = values.mean(dim=1)
-            label = (name if len(seeds) == 1 else f"{name} ({len(seeds)} seeds, mean ± std)") + (
-                f": {task}" if task else "")
+            label = name + (f" ({len(seeds)} seeds, mean ± std)" if len(seeds) > 1 else "") + (task and f": {task}")
             ax.plot(steps, mean, label=label, color=f"C{i}", marker="o" if key is None or key in correct else None,
                     markersize=3, linestyle="--" if task else "-")
             if len(seeds) > 1:
