@@ -1338,6 +1338,8 @@ def start_run(args, run_dir, rank, writes):
     # after the inputs: a wrong path or --teacher says so whatever the run folder holds
     if writes and not args.resume and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         parser.error(f"{run_dir} already holds a run: pass --resume to continue it, or another --run-name")
+    if args.resume:
+        same_version(run_dir)
     config = {k: v for k, v in vars(args).items()
               if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
     config.update(world_size=world_size, version=VERSION)
@@ -2754,13 +2756,22 @@ def resume(args, run):
     return step
 
 
+def same_version(run_dir):
+    """--resume: a run that another version of grpo.py wrote is refused in one line, before any work is done."""
+    try:
+        version = read_config(os.path.join(run_dir, "config.json")).get("version", 1)
+    except (OSError, ValueError):  # resume says what is wrong with the file, or that there is nothing to resume
+        return
+    if version != VERSION:
+        start = glob.glob(os.path.join(run_dir, "chatrl_checkpoints", "*")) or [run_dir]
+        sys.exit(f"error: --resume: the run was written by grpo.py version {version}, this is version {VERSION}: "
+                 f"finish it with the version that started it, or start a new run from its checkpoint: --init "
+                 f"{start[0]}")
+
+
 def resumable(args, run_config, config, checkpoint_dir):
-    """Stop with one line when the run cannot resume with these flags: another version of the program, changed
-    inputs, or a flag that shapes the trajectory changed -> the flags that differ and may (step sizes, the spread)."""
-    if run_config.get("version") != VERSION:
-        sys.exit(f"error: --resume: the run was written by grpo.py version {run_config.get('version', 1)}, this is "
-                 f"version {VERSION}: finish it with the version that started it, or start a new run from its "
-                 f"checkpoint: --init {checkpoint_dir}")
+    """Stop with one line when the run cannot resume with these flags: changed inputs, or a flag that shapes the
+    trajectory changed -> the flags that differ and may (step sizes, the spread)."""
     for name, digest in run_config["inputs"].items():
         if name in config["inputs"] and digest != config["inputs"][name]:  # a task watched no more: not checked
             kind, _, which = name.partition(":")
@@ -2981,7 +2992,7 @@ def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autoc
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
     totals = torch.zeros(2 + len(names) + args.pass_k, dtype=torch.float64)  # count, reward, metrics, pass@1..k
     replies, start, chunk, shown = [], time.time(), EVAL_BATCH, None  # shown: when the last progress line was
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = launched()[0] == 0
     for i in range(0, -(-n // world_size), chunk):
         if stop is not None and stop():
             raise Abandoned

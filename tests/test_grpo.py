@@ -709,7 +709,8 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, run_killed_after_first_sav
 
 
 @pytest.mark.parametrize("version", [None, 1, 3])
-def test_a_run_of_another_version_is_refused_on_resume_in_one_line(tmp_path, run_killed_after_first_save, version):
+def test_a_run_of_another_version_is_refused_on_resume_in_one_line(tmp_path, run_killed_after_first_save, version,
+                                                                   capsys):
     # a run folder written by another version of the program (None: before config.json recorded one) resumes with
     # neither its old semantics nor today's: one line naming both versions and the way on
     flags = run_flags(tmp_path, "old", "--num-steps", "2", "--save-every", "1", "--algo", "grpo")
@@ -719,11 +720,14 @@ def test_a_run_of_another_version_is_refused_on_resume_in_one_line(tmp_path, run
     assert config["version"] == grpo.VERSION
     config.pop("version") if version is None else config.update(version=version)
     config_path.write_text(json.dumps(config))
+    capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         grpo.main(flags + ["--resume"])
     message = str(stop.value.code)
     assert message.startswith(f"error: --resume: the run was written by grpo.py version {version or 1}, this is "
-                              f"version {grpo.VERSION}") and "--init" in message and "\n" not in message
+                              f"version {grpo.VERSION}") and "\n" not in message
+    assert message.endswith(f"--init {tmp_path / 'old' / 'chatrl_checkpoints' / 'd2'}")  # the run's checkpoints
+    assert "configuration:" not in capsys.readouterr().out  # refused before any work
 
 
 def test_config_json_holds_the_sizes_the_memory_plan_fitted(tmp_path, run_killed_after_first_save, monkeypatch,
