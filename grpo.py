@@ -3144,7 +3144,7 @@ def run_summary(config, metrics, watched=(), episodes=()):
         values = [m[key] for m in train if m.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    return [len(train), sum(m["reward"] for m in train[-10:]) / max(1, len(train[-10:])),
+    return [len(train), sum(m["reward"] for m in train[-10:]) / len(train[-10:]) if train else None,
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,

@@ -1126,6 +1126,11 @@ def test_eval_only_and_compare(tmp_path, capsys):
         grpo.main(["--compare", str(tmp_path / "missing")])
 
 
+def test_a_run_without_a_training_step_has_no_recent_reward_in_the_compare_table():
+    row = grpo.run_summary({"task": "sort", "scores": {"": "exact"}}, [{"step": 0, "eval_exact": 0.5}])
+    assert row[:3] == [0, None, None]  # "-" in the table, as every column without a value
+
+
 def readme_ladder():
     """The README's "one flag per rung" table -> each rung's flags, cumulative: rung 0 alone, then each added."""
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
