@@ -2400,8 +2400,7 @@ PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, nu
 # (the paper sets none), the weight capped at 1.28 as Trinity-RFT's default (TRL's cap is 5: docs/algorithm.md)
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
                         kl_coef=0.0)
-# SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 and the per-reply mean (the paper's
-# 1/G sum_i 1/|o_i| sum_t, as GRPO's), no KL
+# SAPO (Qwen): a smooth gate instead of the clip (temperatures 1.0 / 1.05), GRPO's per-reply mean as the paper's, no KL
 PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
 # On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution at each position of the student's
 # replies is the whole signal, the reward's is off; the mean over tokens, no KL to a reference; two optimizer steps
@@ -2433,10 +2432,6 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
             max_new_tokens=8, eval_max_new_tokens=8, top_k=0, algo="grpo", optimizer="muon",
             init_lr_frac=0.25, entropy_coef=None, num_steps=1000, eval_every=100, eval_examples=256, pass_k=0,
             save_every=250, device="cpu")
-
-
-# Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
-MIN_TEMPERATURE = 0.1
 
 
 def on_gpu(args):
@@ -2583,8 +2578,7 @@ def value_problems(args):
         (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
-        (args.kl_coef < 0, "--kl-coef must be >= 0"),
-        (args.distill_coef < 0, "--distill-coef must be >= 0"),
+        *[(getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0") for k in ("kl_coef", "distill_coef")],
         (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
@@ -2594,8 +2588,8 @@ def value_problems(args):
                                            args.temperature, args.min_lr_frac, args.lora_alpha))),
          "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
          "--min-lr-frac and --lora-alpha must be finite numbers"),
-        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
-         f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
+        (args.temperature < 0.1, f"--temperature {args.temperature} is (near) greedy: the replies of a group would "
+         "be (nearly) all the same, with nothing to compare; use >= 0.1"),  # 0.1: a logit lead of 1 is a ratio of e^10
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
         (min(lrs) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
@@ -2648,8 +2642,7 @@ def combination_problems(args):
          "class's name), other than the trained task's"),
         (args.num_steps is not None and args.warmup_steps >= args.num_steps,
          f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
-        (args.ref_reset_every > 0 and args.kl_coef == 0,
-         "--ref-reset-every needs a reference model: set --kl-coef > 0"),
+        (args.ref_reset_every and not args.kl_coef, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
     ]
@@ -2671,9 +2664,8 @@ def setup_problems(args):
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
         (re.fullmatch(r"cuda:\d+", args.device or "") and int(args.device[5:]) >= torch.cuda.device_count(),
          f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"),
-        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
-         "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem "
-         "measures nothing"),
+        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1, "--eval-examples "
+         "must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
         (args.lora_rank and args.init == "scratch", "--lora-rank adapts a trained model, and --init scratch starts "
          "from random weights: there is nothing to adapt (train all weights, or start from a checkpoint)"),
         (args.lora_rank and args.ref_dtype is not None, "--ref-dtype sets the dtype of a reference copy; with "
