@@ -2079,15 +2079,13 @@ def at_least(low):
 def weights(text):
     """The type of --reward-weights: "correct=1,format=0.1" -> {"correct": 1.0, "format": 0.1}."""
     try:
-        pairs = [item.split("=") for item in text.split(",")]
-        return {name.strip(): float(value) for name, value in pairs}
+        return {name.strip(): float(value) for name, value in (item.split("=") for item in text.split(","))}
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected name=weight,name=weight, got {text!r}") from None
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help shows each flag's default where it has one of its own (the algorithm flags' come from --algo, listed
-    in their group's description) and its help does not already say it."""
+    """--help shows a flag's own default where its help does not say it (the algorithm flags' come from --algo)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -2106,8 +2104,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 #   teacher    the teacher's, which an evaluation never reads
 #   sampling   how replies are sampled: an evaluation may change it
 #   evaluated  what an evaluation of a run's checkpoint reads from its config.json where no flag says otherwise
-# idle: [(when, why)], when the flag, given, does nothing: a note at start says why (the first that holds), since a
-# flag silently idle looks like a setting that was tried.
+# idle: [(when, why)]: given while one holds, the flag does nothing; a note at start says why (the first that holds),
+# since a flag silently idle looks like a setting that was tried.
 ROLES, IDLE = {}, {}
 
 
@@ -2127,7 +2125,6 @@ def one_process(args):
     return int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
-# the idle conditions of several flags; a flag's own are written with it
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
 SAPO_ONLY = (lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another")
 NO_CLIP = (lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)")
@@ -2143,7 +2140,6 @@ ASK_ONE = (lambda a: a.ask, "--ask answers one question")
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)",
                                  formatter_class=HelpFormatter, allow_abbrev=False)
-# the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
 arg = declare(algorithm)
 arg("--algo", default="reinforce", help="algorithm preset: sets the flags of this group that are not given",
@@ -2396,15 +2392,14 @@ PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28,
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
-# CISPO (MiniMax-M1): the importance weight clipped and detached, token-level mean, no KL; no lower bound in effect
-# (the paper sets none), the weight capped at 1.28 as Trinity-RFT's default (TRL's cap is 5: docs/algorithm.md)
+# CISPO (MiniMax-M1): the weight clipped and detached, token-level mean, no KL; no lower bound, a cap of 1.28 (why:
+# docs/algorithm.md)
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
                         kl_coef=0.0)
 # SAPO (Qwen): a smooth gate instead of the clip (temperatures 1.0 / 1.05), GRPO's per-reply mean as the paper's, no KL
 PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
 # On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution at each position of the student's
-# replies is the whole signal, the reward's is off; the mean over tokens, no KL to a reference; two optimizer steps
-# a sampled batch (measured on the demo, 3 seeds: the thresholds in 50-75 steps, not 100-125: docs/demo.md)
+# replies is the whole signal, no KL, the mean over tokens; two optimizer steps a sampled batch (docs/demo.md)
 PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0,
                           distill_divergence="forward", ppo_epochs=2)
 
@@ -2416,16 +2411,13 @@ def as_flags(settings):
 
 
 algorithm.description = "--algo sets, where not given (the others: reinforce's values but these):\n" + "\n".join(
-    textwrap.fill(as_flags({k: v for k, v in preset.items()
-                            if name == "reinforce" or v != PRESETS["reinforce"].get(k)}),
+    textwrap.fill(as_flags({k: v for k, v in preset.items() if name == "reinforce" or v != PRESETS["reinforce"][k]}),
                   width=110, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12, break_on_hyphens=False)
     for name, preset in PRESETS.items())
-# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md; AdamW stalled at
-# 0.74-0.87). Full GRPO: from a random start reinforce collapses onto one answer before it reads the prompt. The
-# entropy bonus keeps every digit in play: without it one seed in five never learned a digit (stalled below 0.9); at
-# 0.01 seed 8 still lost the digit 1 (sampled too rarely to be learned). It competes with the policy term, whose
-# scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01 with raw r - mean (std ~0.1-0.3 here;
-# at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
+# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md). Full GRPO: from a random
+# start reinforce collapses onto one answer before it reads the prompt. The entropy bonus keeps every digit in play; it
+# competes with the policy term, whose scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01 with
+# raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
 DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01,  # batch: / the step's std
                      "none": 0.0}  # distillation: the teacher's log-ratios already push every token its own way
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
@@ -2440,9 +2432,8 @@ def on_gpu(args):
 
 def evaluated_run(args, given):
     """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
-    checkpoints' folder): the flags not given take the run's values from its config.json, the "evaluated" ones with
-    --init, all but the "spread" and "machine" ones with --resume (which rebuilds the run's start model first).
-    -> (the config.json, {flag: (the run's value, the one given)} where they differ), or None: no run folder."""
+    checkpoints'): the flags not given take the run's values from its config.json, the "evaluated" ones with --init,
+    all but "spread" and "machine" with --resume -> (the config.json, {flag: (the run's, given)} where they differ)."""
     if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
         return None
     if args.resume:
@@ -2461,9 +2452,8 @@ def evaluated_run(args, given):
             return None
         sys.exit(f"error: --init: cannot read the settings of the checkpoint's run from {path} ({e}): restore that "
                  "file, or give the task and sampling flags and copy the checkpoint folder out of the run")
-    read = [k for k in run_config if k in vars(args) and k not in given and (
-        k in flags_with("evaluated") or args.resume and k not in flags_with("spread") + flags_with("machine"))]
-    for k in read:
+    for k in [k for k in run_config if k in vars(args) and k not in given and (
+            k in flags_with("evaluated") or args.resume and k not in flags_with("spread") + flags_with("machine"))]:
         setattr(args, k, run_config[k])
     return path, {k: (run_config[k], getattr(args, k)) for k in flags_with("evaluated")
                   if k in given and k in run_config and run_config[k] != getattr(args, k)}
@@ -2542,8 +2532,7 @@ def apply_preset(args):
 def preset_notes(args, given, demo_bonus):
     """Where the preset's values meet other flags: what changed and why -> notes."""
     notes = []
-    # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
-    # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
+    # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
     filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
                and PRESETS[args.algo].get(f)]
     for name in filters:
@@ -2649,8 +2638,7 @@ def combination_problems(args):
 
 
 def setup_problems(args):
-    """check_config's checks of what a run is set up on: the start model, the adapters and copies, the device, the
-    run folder, the evals -> [(bad, message)]."""
+    """check_config's checks of the start model, adapters, device, run folder and evals -> [(bad, message)]."""
     return [
         (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
          or (args.n_embd // max(1, args.n_head)) % 2,
