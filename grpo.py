@@ -2144,32 +2144,27 @@ algorithm = parser.add_argument_group("algorithm")
 arg = declare(algorithm)
 arg("--algo", default="reinforce", help="algorithm preset: sets the flags of this group that are not given",
     choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "distill"])
-arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"],
-    help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards; none: 0 "
-    "(the reward teaches nothing: --algo distill)",
+arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"], help="r - mean(r); z-scored in the group; "
+    "leave-one-out baseline; / the std of the step's rewards; none: 0 (the reward teaches nothing: --algo distill)",
     idle=[(lambda a: a.reward_combination == "normalize-then-sum", "--reward-combination normalize-then-sum z-scores "
            "each reward term in its group whatever it says")])
-arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"],
-    help="per-token losses: nanochat's RL loss (a question's replies in passes of --pass-size, each pass's sum / its "
-    "tokens, the mean over passes and questions); averaged over all tokens; per reply, then over replies; "
-    "/ (replies x --max-new-tokens)")
+arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"], help="per-token losses: nanochat's RL loss "
+    "(a question's replies in passes of --pass-size, each pass's sum / its tokens, the mean over passes and "
+    "questions); averaged over all tokens; per reply, then over replies; / (replies x --max-new-tokens)")
 arg("--pass-size", type=at_least(1), help="--aggregation nanochat: replies per pass (nanochat's --device-batch-size, "
     "whose default is 8); unlike --device-batch-size here, part of the objective")
 arg("--ppo-epochs", type=at_least(1), help="passes over each sampled batch (mu in the GRPO paper)")
 arg("--num-minibatches", type=at_least(1), help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
-arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="the policy term: PPO's clipped ratio x A; CISPO's "
-    "-sg(clip(rho)) A log pi (the weight clipped, every token keeps a gradient); SAPO's smooth gate "
-    "-(4 / tau) sigmoid(tau (rho - 1)) A")
+arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="PPO's clipped ratio x A; CISPO's -sg(clip(rho)) A log pi "
+    "(the weight clipped, every token keeps a gradient); SAPO's smooth gate -(4 / tau) sigmoid(tau (rho - 1)) A")
 arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0", idle=[SAPO_ONLY])
 arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)",
     idle=[SAPO_ONLY])
-arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps (cispo: the weight's)",
+arg("--clip-eps", type=float, idle=[NO_CLIP, RATIO_ONE], help="lower ratio clip: rho >= 1 - eps (cispo: the weight's)")
+arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo: the weight's; default: --clip-eps)",
     idle=[NO_CLIP, RATIO_ONE])
-arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (cispo: the weight's; default: "
-    "--clip-eps)", idle=[NO_CLIP, RATIO_ONE])
-arg("--clip-ratio-c", type=float, help="dual clip: with A < 0 the loss is at most -C * A (default: off)",
-    idle=[RATIO_ONE])
+arg("--clip-ratio-c", type=float, idle=[RATIO_ONE], help="dual clip: with A < 0 the loss is <= -C * A (default: off)")
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
     "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the KL in the reward is each "
@@ -2188,11 +2183,10 @@ arg("--ref-reset-every", type=at_least(0), help="steps between copies of the pol
 arg("--distill-coef", type=float, help="on-policy distillation's weight lambda (needs --teacher): with "
     "--distill-divergence sampled each sampled token's advantage gains lambda x (log pi_teacher - log pi_old); with "
     "forward the loss gains lambda x KL(pi_teacher || pi_theta) at each position")
-arg("--distill-divergence", choices=["sampled", "forward"], help="--distill-coef's term: "
-    "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
+arg("--distill-divergence", choices=["sampled", "forward"], help="--distill-coef's term: sampled: the teacher's "
+    "log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
-    "for the rest, a loss term (default: forward with --algo distill, else sampled)",
-    idle=[(lambda a: not a.distill_coef, "no teacher term (--distill-coef)")])
+    "for the rest, a loss term", idle=[(lambda a: not a.distill_coef, "no teacher term (--distill-coef)")])
 arg("--distill-top-k", type=at_least(1), default=64, help="--distill-divergence forward: the teacher's tokens a "
     "position (all of them when the vocabulary is smaller)",
     idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
@@ -2200,10 +2194,9 @@ arg("--teacher", metavar="DIR", help="the frozen teacher of --distill-coef: a na
     "folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
 arg("--teacher-step", type=at_least(0), help="--teacher: its checkpoint step (default: the largest)", role="teacher",
     idle=[(lambda a: not a.teacher, "it picks --teacher's checkpoint")])
-arg("--teacher-offload", action="store_true", role="teacher",
-    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step",
-    idle=[(lambda a: not a.teacher, "no teacher (--teacher)"),
-          (lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU")])
+arg("--teacher-offload", action="store_true", role="teacher", idle=[(lambda a: not a.teacher, "no teacher (--teacher)"),
+    (lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU")],
+    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
@@ -2226,13 +2219,11 @@ arg("--max-turns", type=at_least(1), default=10, help="an episode's assistant tu
     "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated")
 arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: tokens sampled at most, then its "
     "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated")
-arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a reply that is not correct is answered "
-    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)",
-    role="evaluated")
+arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
+    "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)",
     role="sampling evaluated")
-arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)",
-    role="sampling evaluated")
+arg("--top-k", type=int, default=50, role="sampling evaluated", help="sample from the k likeliest tokens (0: all)")
 arg("--sample-batch-size", type=at_least(1), help="replies sampled per generate call, in whole groups: memory only, "
     "the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)", role="spread")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
@@ -2275,8 +2266,7 @@ arg = declare(parser.add_argument_group("task, model and checkpoints"))
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer model from scratch, full GRPO")
 arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl file of problems, or your own task "
     "class as module:Class or path/to/file.py:Class (docs/tasks.md)", role="evaluated")
-arg("--task-test", help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)",
-    role="evaluated")
+arg("--task-test", role="evaluated", help="--task FILE.jsonl: test problems (default: every 10th problem of the file)")
 arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
     "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
     "as path/to/file.py:fn, fn(question, reply, answer) -> the reward (correct at 1 or more), (reward, format), or "
@@ -2287,9 +2277,8 @@ arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
     idle=[(lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)")])
 arg("--eval-task", action="append", metavar="TASK", help="also evaluate this task's test problems at every eval, "
     "logged as eval_<name>_<metric> (repeatable; any --task value)", role="observes evaluated", idle=[NO_EVALS])
-arg("--gsm8k-dir", help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)",
-    role="evaluated", idle=[(lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, "
-                             "--eval-task)")])
+arg("--gsm8k-dir", role="evaluated", help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, "
+    "download)", idle=[(lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)")])
 arg("--sort-length", type=at_least(1), default=5, help="digits per sort problem", role="evaluated",
     idle=[(lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)")])
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', a checkpoint folder, or a "
@@ -2304,8 +2293,7 @@ arg("--depth", type=int, default=4, help="scratch model: layers")
 arg("--n-embd", type=int, default=256, help="scratch model: width")
 arg("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
 arg = declare(parser.add_argument_group("run, evaluation and logging"))
-arg("--run-name", help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)",
-    role="observes machine")
+arg("--run-name", role="observes machine", help="files go to <runs-dir>/<run-name> (default: <task>-<algo>-seed<seed>)")
 arg("--runs-dir", default="runs", help="folder of the run folders", role="observes machine")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
 arg("--seed", type=int, default=0, help="seeds a scratch model's weights, the sampling, and the order of every "
@@ -2328,8 +2316,7 @@ arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@
     role="observes evaluated", idle=[NO_EVALS, (lambda a: a.ask, "--ask samples --num-samples replies")])
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
     "512)", role="observes evaluated", idle=[NO_EVALS])
-arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)",
-    role="observes")
+arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
 arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)",
     role="observes")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
@@ -2337,22 +2324,19 @@ arg("--keep-states", type=at_least(0), default=2, help="training states kept, ne
 arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
     "SIGTERM) during the steps saves a checkpoint at the end of the step under way, then stops; a second one stops "
     "at once", role="observes")
-arg("--max-bad-steps", type=at_least(1), default=3, help="stop after this many non-finite losses in a row",
-    role="observes")
+arg("--max-bad-steps", type=at_least(1), default=3, role="observes", help="stop after N non-finite losses in a row")
 arg("--wandb", metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
     "beside the runs when they are in one folder, else in the current one; or --compare-out)")
-arg("--compare-out", metavar="PNG", help="--compare: where the plot goes",
-    idle=[(lambda a: not a.compare, "it is --compare's")])
+arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file")
 arg = declare(parser.add_argument_group("devices and processes"))
 arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
 arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
 arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
     "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest",
     role="spread")
-arg("--tokens-per-pass", type=at_least(1), help="--pack: tokens a forward/backward pass, rows packed into it "
-    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)",
-    role="spread")
+arg("--tokens-per-pass", type=at_least(1), role="spread", help="--pack: tokens a forward/backward pass, rows packed "
+    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)")
 arg("--device-batch-size", type=at_least(1), help="rows per forward/backward pass, question by question: "
     "memory, not the result (--pack: only when given, else passes are filled by tokens; --no-pack default: on a GPU "
     "as many as its free memory holds beside the rest, else 8)", role="spread")
@@ -2369,10 +2353,9 @@ arg("--self-check", action=argparse.BooleanOptionalAction, help="before the firs
     role="observes machine")
 arg("--dist-timeout", type=at_least(1), default=600, help="seconds a rank waits for the others before the run stops",
     role="observes machine", idle=[(one_process, "there is one process")])
-arg("--shard-optimizer", action=argparse.BooleanOptionalAction, role="spread",
-    help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
-    "others get the new weights from it (default: on with several processes)",
-    idle=[(one_process, "one process holds every weight")])
+arg("--shard-optimizer", action=argparse.BooleanOptionalAction, role="spread", help="several processes: each rank "
+    "keeps and updates the optimizer state of its share of the weights, the others get the new weights from it "
+    "(default: on with several processes)", idle=[(one_process, "one process holds every weight")])
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -2383,8 +2366,7 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
 }
 # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
 PRESETS["grpo"] = dict(PRESETS["reinforce"], advantage="zscore", aggregation="sequence", ppo_epochs=2, kl_coef=0.04)
-# RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
-PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
+PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")  # RLOO (Ahmadian et al. 2024): leave-one-out
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
 # DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
 PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
