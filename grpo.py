@@ -2442,7 +2442,7 @@ def evaluated_run(args, given):
 
 
 def resolve_config(argv=None):
-    """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
+    """Parse flags, apply --demo and --algo defaults (explicit flags win), note, check them; exit 2 on bad flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
     demo = DEMO if "--demo" in argv else {}  # the demo's defaults, under any flag given explicitly
     defaults = {k: parser.get_default(k) for k in demo}
@@ -2476,7 +2476,22 @@ def resolve_config(argv=None):
             args.notes.append("--eval-examples does nothing here: --eval-only evaluates --final-eval-examples problems")
         else:
             args.final_eval_examples = args.eval_examples
-    args.notes += preset_notes(args, given, demo_bonus)
+    # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
+    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
+               and PRESETS[args.algo][f]]
+    for name in filters:
+        setattr(args, name, False)
+    if filters:
+        args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
+                          "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
+                          "(give the flag to keep it)")
+    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
+    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
+        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
+                    else f"--advantage {args.advantage}")
+        args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
+                          f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
+                          "keeps it")
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
@@ -2509,28 +2524,6 @@ def apply_preset(args):
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
     return demo_bonus
-
-
-def preset_notes(args, given, demo_bonus):
-    """Where the preset's values meet other flags: what changed and why -> notes."""
-    notes = []
-    # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
-    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
-               and PRESETS[args.algo].get(f)]
-    for name in filters:
-        setattr(args, name, False)
-    if filters:
-        notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} stay off "
-                     "with a teacher: it scores every token, of equal groups and cut-off replies too (give the flag "
-                     "to keep it)")
-    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
-    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
-        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
-                    else f"--advantage {args.advantage}")
-        notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
-                     f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
-                     "keeps it")
-    return notes
 
 
 def check_config(args):
