@@ -1985,21 +1985,16 @@ def at_least(low):
     return integer
 
 
-count = at_least(1)
-
-
 def weights(text):
     """The type of --reward-weights: "correct=1,format=0.1" -> {"correct": 1.0, "format": 0.1}."""
     try:
-        pairs = [item.split("=") for item in text.split(",")]
-        return {name.strip(): float(value) for name, value in pairs}
+        return {name.strip(): float(value) for name, value in (item.split("=") for item in text.split(","))}
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected name=weight,name=weight, got {text!r}") from None
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help shows each flag's default where it has one of its own (the algorithm flags' come from --algo, listed
-    in their group's description) and its help does not already say it."""
+    """--help shows a flag's own default where its help does not say it (the algorithm flags' come from --algo)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -2018,8 +2013,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 #   teacher    the teacher's, which an evaluation never reads
 #   sampling   how replies are sampled: an evaluation may change it
 #   evaluated  what an evaluation of a run's checkpoint reads from its config.json where no flag says otherwise
-# idle: [(when, why)], when the flag, given, does nothing: a note at start says why (the first that holds), since a
-# flag silently idle looks like a setting that was tried.
+# idle: [(when, why)]: given while one holds, the flag does nothing; a note at start says why (the first that holds),
+# since a flag silently idle looks like a setting that was tried.
 ROLES, IDLE = {}, {}
 
 
@@ -2040,143 +2035,106 @@ def one_process(args):
 
 
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
-KL_IN_REWARD = (lambda a: a.kl_placement == "reward", "the KL in the reward is each reply's summed k1 (--kl-placement "
-                "reward)")
-NO_REFERENCE = (lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")
 SAPO_ONLY = (lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another")
 NO_CLIP = (lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)")
 RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step a "
              "sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
              "inside any clip")
-GDPO = (lambda a: a.reward_combination == "normalize-then-sum", "--reward-combination normalize-then-sum z-scores "
-        "each reward term in its group whatever it says")
-NO_JSONL = (lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + (a.eval_task or [])),
-            "it grades .jsonl tasks")
-NOT_JSONL_TASK = (lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)")
-NO_TEACHER_PICK = (lambda a: not a.teacher, "it picks --teacher's checkpoint")
-NO_TEACHER = (lambda a: not a.teacher, "no teacher (--teacher)")
-NO_TEACHER_TERM = (lambda a: not a.distill_coef, "no teacher term (--distill-coef)")
-NOT_FORWARD = (lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")
-NO_CORRECTION = (lambda a: a.rollout_correction == "off", "the correction is off (--rollout-correction)")
-NO_DYNAMIC_SAMPLING = (lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off")
 NO_LORA = (lambda a: not a.lora_rank, "no adapters without --lora-rank")
-LORA = (lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr")
-NOT_ADAMW = (lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
-             "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")
 NOT_MUON = (lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
-CONSTANT_LR = (lambda a: a.lr_schedule == "constant", "--lr-schedule constant never decays")
-SCRATCH = (lambda a: a.init == "scratch", "--init scratch reads no checkpoint")
-NOT_SFT = (lambda a: a.init != "sft", "it picks --init sft's checkpoint")
-NO_GSM8K = (lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)")
-NO_SORT = (lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)")
-EVALUATING = (lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long")
-EVAL_ONLY = (lambda a: a.eval_only, "--eval-only samples --pass-k replies a problem")
-ASK_SAMPLES = (lambda a: a.ask, "--ask samples --num-samples replies")
-ASK_ONE = (lambda a: a.ask, "--ask answers one question")
 NO_EVALS = (lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-every 0: no evals")
-ON_GPU = (lambda a: on_gpu(a), "it sets a CPU run's threads, and the work is on the GPU")
-OFF_GPU_REFERENCE = (lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU")
-OFF_GPU_TEACHER = (lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU")
-ONE_PROCESS = (one_process, "one process holds every weight")
-ONE_PROCESS_TIMEOUT = (one_process, "there is one process")
-NO_COMPARE = (lambda a: not a.compare, "it is --compare's")
+ASK_ONE = (lambda a: a.ask, "--ask answers one question")
 
 
 parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)",
                                  formatter_class=HelpFormatter, allow_abbrev=False)
-# the algorithm: defaults come from --algo (its group's description lists each preset); explicit flags win
 algorithm = parser.add_argument_group("algorithm")
 arg = declare(algorithm)
-arg("--algo", default="reinforce", choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo",
-                                           "distill"],
-    help="algorithm preset: sets the flags of this group that are not given")
-arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"],
-    help="r - mean(r); z-scored in the group; leave-one-out baseline; / the std of the whole step's rewards; none: 0 "
-    "(the reward teaches nothing: --algo distill)", idle=[GDPO])
-arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"],
-    help="per-token losses: nanochat's RL loss (a question's replies in passes of --pass-size, each pass's sum / its "
-    "tokens, the mean over passes and questions); averaged over all tokens; per reply, then over replies; "
-    "/ (replies x --max-new-tokens)")
-arg("--pass-size", type=count, help="--aggregation nanochat: replies per pass (nanochat's --device-batch-size, whose "
-    "default is 8); unlike --device-batch-size here, part of the objective")
-arg("--ppo-epochs", type=count, help="passes over each sampled batch (mu in the GRPO paper)")
-arg("--num-minibatches", type=count, help="optimizer steps per pass over the sampled batch")
+arg("--algo", default="reinforce", help="algorithm preset: sets the flags of this group that are not given",
+    choices=["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "distill"])
+arg("--advantage", choices=["mean", "zscore", "rloo", "batch", "none"], help="r - mean(r); z-scored in the group; "
+    "leave-one-out baseline; / the std of the step's rewards; none: 0 (the reward teaches nothing: --algo distill)",
+    idle=[(lambda a: a.reward_combination == "normalize-then-sum", "--reward-combination normalize-then-sum z-scores "
+           "each reward term in its group whatever it says")])
+arg("--aggregation", choices=["nanochat", "token", "sequence", "constant"], help="per-token losses: nanochat's RL loss "
+    "(a question's replies in passes of --pass-size, each pass's sum / its tokens, the mean over passes and "
+    "questions); averaged over all tokens; per reply, then over replies; / (replies x --max-new-tokens)")
+arg("--pass-size", type=at_least(1), help="--aggregation nanochat: replies per pass (nanochat's --device-batch-size, "
+    "whose default is 8); unlike --device-batch-size here, part of the objective")
+arg("--ppo-epochs", type=at_least(1), help="passes over each sampled batch (mu in the GRPO paper)")
+arg("--num-minibatches", type=at_least(1), help="optimizer steps per pass over the sampled batch")
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
-arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="the policy term: PPO's clipped ratio x A; CISPO's "
-    "-sg(clip(rho)) A log pi (the weight clipped, every token keeps a gradient); SAPO's smooth gate "
-    "-(4 / tau) sigmoid(tau (rho - 1)) A")
+arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="PPO's clipped ratio x A; CISPO's -sg(clip(rho)) A log pi "
+    "(the weight clipped, every token keeps a gradient); SAPO's smooth gate -(4 / tau) sigmoid(tau (rho - 1)) A")
 arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0", idle=[SAPO_ONLY])
 arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)",
     idle=[SAPO_ONLY])
-arg("--clip-eps", type=float, help="ratio clip, lower side: rho >= 1 - eps (cispo: the weight's)",
+arg("--clip-eps", type=float, idle=[NO_CLIP, RATIO_ONE], help="lower ratio clip: rho >= 1 - eps (cispo: the weight's)")
+arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo: the weight's; default: --clip-eps)",
     idle=[NO_CLIP, RATIO_ONE])
-arg("--clip-eps-high", type=float, help="ratio clip, upper side: rho <= 1 + eps (cispo: the weight's; default: "
-    "--clip-eps)", idle=[NO_CLIP, RATIO_ONE])
-arg("--clip-ratio-c", type=float, default=None, help="dual clip: with A < 0 the loss is at most -C * A (default: off)",
-    idle=[RATIO_ONE])
+arg("--clip-ratio-c", type=float, idle=[RATIO_ONE], help="dual clip: with A < 0 the loss is <= -C * A (default: off)")
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
-    "KL's gradient each gives)", idle=[NO_KL, KL_IN_REWARD])
+    "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the KL in the reward is each "
+                                               "reply's summed k1 (--kl-placement reward)")])
 arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
     "or beta x each reply's summed k1 subtracted from its reward before the advantages; there an all-equal group's "
     "advantages are its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), scaled to unit "
     "std (zscore)", idle=[NO_KL])
-arg("--ref-dtype", default=None, choices=["float32", "bfloat16"],
+arg("--ref-dtype", choices=["float32", "bfloat16"],
     help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)",
-    idle=[NO_REFERENCE])
-arg("--ref-offload", action="store_true",
+    idle=[(lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")])
+arg("--ref-offload", action="store_true", role="spread",
     help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step",
-    role="spread", idle=[OFF_GPU_REFERENCE])
+    idle=[(lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU")])
 arg("--ref-reset-every", type=at_least(0), help="steps between copies of the policy into the reference (0: never)")
 arg("--distill-coef", type=float, help="on-policy distillation's weight lambda (needs --teacher): with "
     "--distill-divergence sampled each sampled token's advantage gains lambda x (log pi_teacher - log pi_old); with "
     "forward the loss gains lambda x KL(pi_teacher || pi_theta) at each position")
-arg("--distill-divergence", default=None, choices=["sampled", "forward"], help="--distill-coef's term: "
-    "sampled: the teacher's log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
+arg("--distill-divergence", choices=["sampled", "forward"], help="--distill-coef's term: sampled: the teacher's "
+    "log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
-    "for the rest, a loss term (default: forward with --algo distill, else sampled)", idle=[NO_TEACHER_TERM])
-arg("--distill-top-k", type=count, default=64, help="--distill-divergence forward: the teacher's tokens a position "
-    "(all of them when the vocabulary is smaller)", idle=[NOT_FORWARD])
-arg("--teacher", default=None, metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint "
-    "folder, or a run folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
-arg("--teacher-step", type=at_least(0), default=None, help="--teacher: its checkpoint step (default: the largest)",
-    role="teacher", idle=[NO_TEACHER_PICK])
-arg("--teacher-offload", action="store_true",
-    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step",
-    role="teacher", idle=[NO_TEACHER, OFF_GPU_TEACHER])
+    "for the rest, a loss term", idle=[(lambda a: not a.distill_coef, "no teacher term (--distill-coef)")])
+arg("--distill-top-k", type=at_least(1), default=64, help="--distill-divergence forward: the teacher's tokens a "
+    "position (all of them when the vocabulary is smaller)",
+    idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
+arg("--teacher", metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint folder, or a run "
+    "folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
+arg("--teacher-step", type=at_least(0), help="--teacher: its checkpoint step (default: the largest)", role="teacher",
+    idle=[(lambda a: not a.teacher, "it picks --teacher's checkpoint")])
+arg("--teacher-offload", action="store_true", role="teacher", idle=[(lambda a: not a.teacher, "no teacher (--teacher)"),
+    (lambda a: not on_gpu(a), "it moves the teacher off a GPU, and the run is on the CPU")],
+    help="keep the teacher in (pinned) CPU memory, on the GPU only for its log-probs once a step")
 arg("--drop-equal-groups", action=argparse.BooleanOptionalAction, help="leave all-equal groups out of the loss")
 arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-off replies out of the loss")
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
-arg("--max-sampling-rounds", type=count, default=4, help="--dynamic-sampling: sampling rounds per step at most",
-    idle=[NO_DYNAMIC_SAMPLING])
+arg("--max-sampling-rounds", type=at_least(1), default=4, help="--dynamic-sampling: sampling rounds per step at most",
+    idle=[(lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off")])
 arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise replies in their last N tokens before the limit")
 arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the entropy (nats)")
 arg("--rollout-correction", default="off", choices=["off", "tis", "mask"],
     help="correct for the sampler's own distribution: weight by min(pi_old / pi_sampler, C) or drop outside [1/C, C]")
-arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction", idle=[NO_CORRECTION])
+arg("--rollout-correction-cap", type=float, default=2.0, help="C of --rollout-correction",
+    idle=[(lambda a: a.rollout_correction == "off", "the correction is off (--rollout-correction)")])
 arg = declare(parser.add_argument_group("sampling (shared by all presets)"))
-arg("--prompts-per-step", type=count, default=16, help="questions per step, across all ranks")
-arg("--num-samples", type=int, default=16, help="replies per question (the group size G)",
-    role="sampling evaluated", idle=[EVAL_ONLY])
-arg("--max-new-tokens", type=count, default=256, help="reply length limit in training, tokens (an episode's: "
+arg("--prompts-per-step", type=at_least(1), default=16, help="questions per step, across all ranks")
+arg("--num-samples", type=int, default=16, help="replies per question (the group size G)", role="sampling evaluated",
+    idle=[(lambda a: a.eval_only, "--eval-only samples --pass-k replies a problem")])
+arg("--max-new-tokens", type=at_least(1), default=256, help="reply length limit in training, tokens (an episode's: "
     "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)",
-    role="sampling", idle=[EVALUATING])
-arg("--max-turns", type=count, default=10, help="an episode's assistant turns at most, for a task that answers "
+    role="sampling", idle=[(lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long")])
+arg("--max-turns", type=at_least(1), default=10, help="an episode's assistant turns at most, for a task that answers "
     "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated")
-arg("--max-turn-tokens", type=count, default=None, help="an episode's assistant turn: tokens sampled at most, "
-    "then its <|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)",
-    role="evaluated")
-arg("--attempts", type=count, default=1, help="retries after feedback: a reply that is not correct is answered "
-    "'Your answer is wrong. Try again (K attempts left).' until one is or N attempts are spent (1: one reply)",
-    role="evaluated")
+arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: tokens sampled at most, then its "
+    "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated")
+arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
+    "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
 arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)",
     role="sampling evaluated")
-arg("--top-k", type=int, default=50, help="sample from the k likeliest tokens (0: the full softmax)",
-    role="sampling evaluated")
-arg("--sample-batch-size", type=count, default=None, help="replies sampled per generate call, in whole groups: "
-    "memory only, the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)",
-    role="spread")
+arg("--top-k", type=int, default=50, role="sampling evaluated", help="sample from the k likeliest tokens (0: all)")
+arg("--sample-batch-size", type=at_least(1), help="replies sampled per generate call, in whole groups: memory only, "
+    "the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)", role="spread")
 arg("--reward-weights", type=weights, help="the task's reward terms combined, e.g. correct=1,format=0.1 (default: "
     "its first term alone; gsm8k: correct, format; sort: reward)")
 arg("--reward-combination", default="sum", choices=["sum", "normalize-then-sum"], help="several reward terms: "
@@ -2184,11 +2142,14 @@ arg("--reward-combination", default="sum", choices=["sum", "normalize-then-sum"]
     "weighted sum divided by its std over the step (GDPO, whatever --advantage says)")
 arg = declare(parser.add_argument_group("optimizer (shared by all presets)"))
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
-    "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW", idle=[LORA])
-arg("--optimizer-version", default=None, choices=["v1", "v2", "v3", "v4", "v5"],
+    "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW",
+    idle=[(lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr")])
+arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUON],
     help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; a checkpoint of this "
-    "program: the one it trained with; from scratch: v5)", idle=[NOT_MUON])
-arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size", idle=[NOT_ADAMW])
+    "program: the one it trained with; from scratch: v5)")
+arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size",
+    idle=[(lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
+           "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")])
 arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices",
     role="step-size", idle=[NOT_MUON])
 arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding",
@@ -2203,47 +2164,45 @@ arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global nor
 arg("--lr-schedule", default="linear", choices=["linear", "cosine", "constant"], help="after warmup, to --min-lr-frac")
 arg("--warmup-steps", type=at_least(0), default=0, help="steps of linear warmup from 1/N of the learning rates")
 arg("--min-lr-frac", type=float, default=0.0, help="the schedule's floor, a fraction of the learning rates",
-    idle=[CONSTANT_LR])
-arg("--num-steps", type=count, default=None,
-    help="training steps (default: the task's; gsm8k: one epoch of its train split)")
+    idle=[(lambda a: a.lr_schedule == "constant", "--lr-schedule constant never decays")])
+arg("--num-steps", type=at_least(1), help="training steps (default: the task's; gsm8k: one epoch of its train split)")
 arg("--lora-rank", type=at_least(0), default=0,
     help="train rank-r LoRA adapters on the block matrices, everything else frozen (0: full fine-tuning)")
-arg("--lora-alpha", type=float, default=None, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)",
-    idle=[NO_LORA])
+arg("--lora-alpha", type=float, help="adapter output scaled by alpha / r (default: 2r, a scale of 2)", idle=[NO_LORA])
 arg("--lora-lr", type=float, default=1e-4, help="AdamW learning rate of the adapters (--optimizer does not apply)",
     role="step-size", idle=[NO_LORA])
 arg = declare(parser.add_argument_group("task, model and checkpoints"))
 arg("--demo", action="store_true", help="CPU demo defaults: sort task, 2-layer model from scratch, full GRPO")
 arg("--task", default="gsm8k", help="what to train on: gsm8k, sort, a .jsonl file of problems, or your own task "
     "class as module:Class or path/to/file.py:Class (docs/tasks.md)", role="evaluated")
-arg("--task-test", default=None, help="--task FILE.jsonl: the test problems (default: every 10th problem of the file)",
-    role="evaluated")
+arg("--task-test", role="evaluated", help="--task FILE.jsonl: test problems (default: every 10th problem of the file)")
 arg("--grader", default="number", help="--task FILE.jsonl: how a reply is graded where a line names no grader: "
     "number (after ####, else the last), exact (the whole reply), choice (the letter of a choice), or your function "
     "as path/to/file.py:fn, fn(question, reply, answer) -> the reward (correct at 1 or more), (reward, format), or "
-    "{reward, correct, format} (docs/tasks.md)", role="evaluated", idle=[NO_JSONL])
+    "{reward, correct, format} (docs/tasks.md)", role="evaluated",
+    idle=[(lambda a: not any(spec.endswith(".jsonl") for spec in [a.task] + a.eval_task), "it grades .jsonl tasks")])
 arg("--calculator", action=argparse.BooleanOptionalAction, default=False,
-    help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K",
-    role="evaluated", idle=[NOT_JSONL_TASK])
-arg("--eval-task", action="append", default=None, metavar="TASK", help="also evaluate this task's test problems at "
-    "every eval, logged as eval_<name>_<metric> (repeatable; any --task value)",
-    role="observes evaluated", idle=[NO_EVALS])
-arg("--gsm8k-dir", default=None, help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, download)",
-    role="evaluated", idle=[NO_GSM8K])
-arg("--sort-length", type=count, default=5, help="digits per sort problem", role="evaluated", idle=[NO_SORT])
+    help="--task FILE.jsonl: the sampler runs the calculator tool, as for GSM8K", role="evaluated",
+    idle=[(lambda a: not a.task.endswith(".jsonl"), "it is for --task FILE.jsonl (gsm8k's is always on)")])
+arg("--eval-task", action="append", metavar="TASK", help="also evaluate this task's test problems at every eval, "
+    "logged as eval_<name>_<metric> (repeatable; any --task value)", role="observes evaluated", idle=[NO_EVALS])
+arg("--gsm8k-dir", role="evaluated", help="folder of {train,test}.jsonl (default: $NANOGRPO_GSM8K_DIR, cache, "
+    "download)", idle=[(lambda a: "gsm8k" not in [a.task] + a.eval_task, "no task is gsm8k (--task, --eval-task)")])
+arg("--sort-length", type=at_least(1), default=5, help="digits per sort problem", role="evaluated",
+    idle=[(lambda a: "sort" not in [a.task] + a.eval_task, "no task is sort (--task, --eval-task)")])
 arg("--init", default="sft", help="'sft': newest nanochat chat SFT checkpoint, 'scratch', a checkpoint folder, or a "
     "run folder of this program")
-arg("--init-step", type=at_least(0), default=None, help="checkpoint step to start from (default: the largest)",
-    idle=[SCRATCH])
-arg("--model-tag", default=None, help="nanochat model tag, e.g. d20 (default: the largest d<N>)", idle=[NOT_SFT])
-arg("--generation", default=None, choices=list(GENERATIONS), help="nanochat GPT generation (default: from its files)")
-arg("--window-pattern", default=None, help="S/L per layer where the checkpoint's config has none (default: L)")
+arg("--init-step", type=at_least(0), help="checkpoint step to start from (default: the largest)",
+    idle=[(lambda a: a.init == "scratch", "--init scratch reads no checkpoint")])
+arg("--model-tag", help="nanochat model tag, e.g. d20 (default: the largest d<N>)",
+    idle=[(lambda a: a.init != "sft", "it picks --init sft's checkpoint")])
+arg("--generation", choices=list(GENERATIONS), help="nanochat GPT generation (default: from its files)")
+arg("--window-pattern", help="S/L per layer where the checkpoint's config has none (default: L)")
 arg("--depth", type=int, default=4, help="scratch model: layers")
 arg("--n-embd", type=int, default=256, help="scratch model: width")
 arg("--n-head", type=int, default=2, help="scratch model: attention heads (and KV heads)")
 arg = declare(parser.add_argument_group("run, evaluation and logging"))
-arg("--run-name", default=None, help="files go to <runs-dir>/<run-name>/ (default: <task>-<algo>-seed<seed>)",
-    role="observes machine")
+arg("--run-name", role="observes machine", help="files go to <runs-dir>/<run-name> (default: <task>-<algo>-seed<seed>)")
 arg("--runs-dir", default="runs", help="folder of the run folders", role="observes machine")
 arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
 arg("--seed", type=int, default=0, help="seeds a scratch model's weights, the sampling, and the order of every "
@@ -2259,15 +2218,14 @@ arg("--eval-only", action="store_true", help="evaluate the start policy on --fin
     "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
     "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
     "task and sampling settings (its config.json), but for the flags given")
-arg("--ask", default=None, metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
+arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
     "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
     "run's settings as --eval-only does")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)",
-    role="observes evaluated", idle=[NO_EVALS, ASK_SAMPLES])
-arg("--eval-max-new-tokens", type=count, default=512, help="reply length limit in evals, tokens (chat_eval: 512)",
-    role="observes evaluated", idle=[NO_EVALS])
-arg("--log-samples", type=at_least(0), default=4, help="replies per step written to samples.jsonl (0: none)",
-    role="observes")
+    role="observes evaluated", idle=[NO_EVALS, (lambda a: a.ask, "--ask samples --num-samples replies")])
+arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
+    "512)", role="observes evaluated", idle=[NO_EVALS])
+arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
 arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)",
     role="observes")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
@@ -2275,40 +2233,38 @@ arg("--keep-states", type=at_least(0), default=2, help="training states kept, ne
 arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
     "SIGTERM) during the steps saves a checkpoint at the end of the step under way, then stops; a second one stops "
     "at once", role="observes")
-arg("--max-bad-steps", type=count, default=3, help="stop after this many non-finite losses in a row", role="observes")
-arg("--wandb", default=None, metavar="PROJECT", help="also log to this wandb project")
+arg("--max-bad-steps", type=at_least(1), default=3, role="observes", help="stop after N non-finite losses in a row")
+arg("--wandb", metavar="PROJECT", help="also log to this wandb project")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
     "beside the runs when they are in one folder, else in the current one; or --compare-out)")
-arg("--compare-out", default=None, metavar="PNG", help="--compare: where the plot goes", idle=[NO_COMPARE])
+arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file")
 arg = declare(parser.add_argument_group("devices and processes"))
-arg("--device", default=None, help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
-arg("--dtype", default=None, choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)",
-    role="machine")
+arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
+arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
 arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
     "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest",
     role="spread")
-arg("--tokens-per-pass", type=count, default=None, help="--pack: tokens a forward/backward pass, rows packed into it "
-    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)",
-    role="spread")
-arg("--device-batch-size", type=count, default=None, help="rows per forward/backward pass, question by question: "
+arg("--tokens-per-pass", type=at_least(1), role="spread", help="--pack: tokens a forward/backward pass, rows packed "
+    "first-fit: memory, not the result (default: on a GPU as many as its free memory holds beside the rest, else 4096)")
+arg("--device-batch-size", type=at_least(1), help="rows per forward/backward pass, question by question: "
     "memory, not the result (--pack: only when given, else passes are filled by tokens; --no-pack default: on a GPU "
     "as many as its free memory holds beside the rest, else 8)", role="spread")
-arg("--compile", action=argparse.BooleanOptionalAction, default=None,
-    help="torch.compile the forwards, the update and the decode step (default: on with CUDA)", role="spread")
-arg("--threads", type=count, default=None, help="CPU threads of a CPU run, fixed for the run (default: "
-    "OMP_NUM_THREADS if set, else one per rank with several processes, else one per core)",
-    role="spread", idle=[ON_GPU])
+arg("--compile", action=argparse.BooleanOptionalAction, role="spread",
+    help="torch.compile the forwards, the update and the decode step (default: on with CUDA)")
+arg("--threads", type=at_least(1), help="CPU threads of a CPU run, fixed for the run (default: OMP_NUM_THREADS if "
+    "set, else one per rank with several processes, else one per core)", role="spread",
+    idle=[(lambda a: on_gpu(a), "it sets a CPU run's threads, and the work is on the GPU")])
 arg("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"], help="how the sampler's decode "
     "step runs (model.generate): auto is a captured CUDA graph on a GPU, dynamic shapes on the CPU", role="spread")
-arg("--self-check", action=argparse.BooleanOptionalAction, default=None, help="before the first step, compare the "
+arg("--self-check", action=argparse.BooleanOptionalAction, help="before the first step, compare the "
     "fast paths (packed/flash attention, compiled forward, captured decode as rows finish, a teacher's forward and "
     "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)",
     role="observes machine")
-arg("--dist-timeout", type=count, default=600, help="seconds a rank waits for the others before the run stops",
-    role="observes machine", idle=[ONE_PROCESS_TIMEOUT])
-arg("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
-    help="several processes: each rank keeps and updates the optimizer state of its share of the weights, the "
-    "others get the new weights from it (default: on with several processes)", role="spread", idle=[ONE_PROCESS])
+arg("--dist-timeout", type=at_least(1), default=600, help="seconds a rank waits for the others before the run stops",
+    role="observes machine", idle=[(one_process, "there is one process")])
+arg("--shard-optimizer", action=argparse.BooleanOptionalAction, role="spread", help="several processes: each rank "
+    "keeps and updates the optimizer state of its share of the weights, the others get the new weights from it "
+    "(default: on with several processes)", idle=[(one_process, "one process holds every weight")])
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -2316,14 +2272,10 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
                       ppo_epochs=1, num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0,
                       sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False,
                       mask_truncated=False, dynamic_sampling=False, distill_coef=0.0, distill_divergence="sampled"),
-    # DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
-    "grpo": dict(advantage="zscore", aggregation="sequence", ratio_level="token", policy_loss="clip", ppo_epochs=2,
-                 num_minibatches=1, clip_eps=0.2, clip_eps_high=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-                 kl_coef=0.04, kl_estimator="k3", ref_reset_every=0, drop_equal_groups=False, mask_truncated=False,
-                 dynamic_sampling=False, distill_coef=0.0, distill_divergence="sampled"),
 }
-# RLOO (Ahmadian et al. 2024): nanochat's recipe with the leave-one-out baseline
-PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")
+# DeepSeekMath: z-scored advantages, per-sequence mean, clipped ratios over 2 epochs, k3 KL to a frozen ref
+PRESETS["grpo"] = dict(PRESETS["reinforce"], advantage="zscore", aggregation="sequence", ppo_epochs=2, kl_coef=0.04)
+PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")  # RLOO (Ahmadian et al. 2024): leave-one-out
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
 # DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
 PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
@@ -2331,42 +2283,32 @@ PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28,
 # GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
                        clip_eps_high=4e-4, kl_coef=0.0)
-# CISPO (MiniMax-M1): the importance weight clipped and detached, token-level mean, no KL; no lower bound in effect
-# (the paper sets none), the weight capped at 1.28 as Trinity-RFT's default (TRL's cap is 5: docs/algorithm.md)
+# CISPO (MiniMax-M1): the weight clipped and detached, token-level mean, no KL; no lower bound, a cap of 1.28 (why:
+# docs/algorithm.md)
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
                         kl_coef=0.0)
-# SAPO (Qwen): a smooth gate instead of the clip, temperatures 1.0 / 1.05 and the per-reply mean (the paper's
-# 1/G sum_i 1/|o_i| sum_t, as GRPO's), no KL
+# SAPO (Qwen): a smooth gate instead of the clip (temperatures 1.0 / 1.05), GRPO's per-reply mean as the paper's, no KL
 PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
 # On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution at each position of the student's
-# replies is the whole signal, the reward's is off; the mean over tokens, no KL to a reference; two optimizer steps
-# a sampled batch (measured on the demo, 3 seeds: the thresholds in 50-75 steps, not 100-125: docs/demo.md)
+# replies is the whole signal, no KL, the mean over tokens; two optimizer steps a sampled batch (docs/demo.md)
 PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0,
                           distill_divergence="forward", ppo_epochs=2)
 
 
 def as_flags(settings):
     """{"kl_coef": 0.04, "mask_truncated": True} -> "--kl-coef 0.04 --mask-truncated" (None: the flag's default)"""
-    words = []
-    for k, v in settings.items():
-        name = k.replace("_", "-")
-        if v is not None:
-            words.append(f"--{name}" if v is True else f"--no-{name}" if v is False else f"--{name} {v}")
-    return " ".join(words)
+    return " ".join(("--no-" if v is False else "--") + k.replace("_", "-") + ("" if isinstance(v, bool) else f" {v}")
+                    for k, v in settings.items() if v is not None)
 
 
 algorithm.description = "--algo sets, where not given (the others: reinforce's values but these):\n" + "\n".join(
-    textwrap.fill(as_flags({k: v for k, v in preset.items()
-                            if name == "reinforce" or v != PRESETS["reinforce"].get(k)}),
+    textwrap.fill(as_flags({k: v for k, v in preset.items() if name == "reinforce" or v != PRESETS["reinforce"][k]}),
                   width=110, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12, break_on_hyphens=False)
     for name, preset in PRESETS.items())
-# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md; AdamW stalled at
-# 0.74-0.87).
-# Full GRPO: from a random start reinforce collapses onto one answer before it learns to read the prompt. The entropy
-# bonus keeps every digit in play: without it one seed in five never learned a digit and stalled below 0.9; at 0.01
-# seed 8 still lost the digit 1 (sampled about once in 100 steps where it belongs, too rarely to be learned). The bonus
-# competes with the policy term, whose scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01
-# with raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
+# The demo: a 2-layer GPT from random weights, settings chosen by measurement (docs/demo.md). Full GRPO: from a random
+# start reinforce collapses onto one answer before it reads the prompt. The entropy bonus keeps every digit in play; it
+# competes with the policy term, whose scale is the advantages': 0.03 with z-scored ones (std 1 in a group), 0.01 with
+# raw r - mean (std ~0.1-0.3 here; at 0.03 reinforce stalled at 0.22, its entropy held up over its reward).
 DEMO_ENTROPY_COEF = {"zscore": 0.03, "batch": 0.03, "mean": 0.01, "rloo": 0.01,  # batch: / the step's std
                      "none": 0.0}  # distillation: the teacher's log-ratios already push every token its own way
 DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_per_step=32, num_samples=8,
@@ -2375,20 +2317,14 @@ DEMO = dict(task="sort", init="scratch", depth=2, n_embd=64, n_head=4, prompts_p
             save_every=250, device="cpu")
 
 
-# Below this, a group's replies are nearly all the same: at 0.1 a logit lead of 1 is a probability ratio of e^10.
-MIN_TEMPERATURE = 0.1
-
-
 def on_gpu(args):
     return (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 def evaluated_run(args, given):
     """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
-    checkpoints' folder): the flags not given take the run's values from its config.json, the "evaluated" ones
-    with --init and all but the "spread" and "machine" ones with --resume, which rebuilds the run's start model
-    before it loads the checkpoint. -> (the config.json, {flag: (the run's value, the one given)} for the settings
-    given otherwise), or None: no run folder (another program's checkpoint), and the flags' own defaults."""
+    checkpoints'): the flags not given take the run's values from its config.json, the "evaluated" ones with --init,
+    all but "spread" and "machine" with --resume -> (the config.json, {flag: (the run's, given)} where they differ)."""
     if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
         return None
     if args.resume:
@@ -2407,26 +2343,23 @@ def evaluated_run(args, given):
             return None
         sys.exit(f"error: --init: cannot read the settings of the checkpoint's run from {path} ({e}): restore that "
                  "file, or give the task and sampling flags and copy the checkpoint folder out of the run")
-    read = [k for k in run_config if k in vars(args) and k not in given and (
-        k in flags_with("evaluated") or args.resume and k not in flags_with("spread") + flags_with("machine"))]
-    for k in read:
+    for k in [k for k in run_config if k in vars(args) and k not in given and (
+            k in flags_with("evaluated") or args.resume and k not in flags_with("spread") + flags_with("machine"))]:
         setattr(args, k, run_config[k])
     return path, {k: (run_config[k], getattr(args, k)) for k in flags_with("evaluated")
                   if k in given and k in run_config and run_config[k] != getattr(args, k)}
 
 
 def resolve_config(argv=None):
-    """Parse flags, apply --demo and --algo defaults (explicit flags win), check them; exit 2 on bad flags."""
+    """Parse flags, apply --demo and --algo defaults (explicit flags win), note, check them; exit 2 on bad flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--demo" in argv:  # the demo's defaults, under any flag given explicitly
-        defaults = {k: parser.get_default(k) for k in DEMO}
-        parser.set_defaults(**DEMO)
-        try:
-            args = parser.parse_args(argv)
-        finally:  # also when a bad flag exits: later parses in this process get the usual defaults
-            parser.set_defaults(**defaults)
-    else:
+    demo = DEMO if "--demo" in argv else {}  # the demo's defaults, under any flag given explicitly
+    defaults = {k: parser.get_default(k) for k in demo}
+    parser.set_defaults(**demo)
+    try:
         args = parser.parse_args(argv)
+    finally:  # also when a bad flag exits: later parses in this process get the usual defaults
+        parser.set_defaults(**defaults)
     given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
              if word == flag or word.startswith(flag + "=")}
     if args.run_name is None:
@@ -2452,15 +2385,29 @@ def resolve_config(argv=None):
             args.notes.append("--eval-examples does nothing here: --eval-only evaluates --final-eval-examples problems")
         else:
             args.final_eval_examples = args.eval_examples
-    args.notes += preset_notes(args, given, demo_bonus)
+    # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
+    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
+               and PRESETS[args.algo][f]]
+    for name in filters:
+        setattr(args, name, False)
+    if filters:
+        args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
+                          "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
+                          "(give the flag to keep it)")
+    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
+    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
+        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
+                    else f"--advantage {args.advantage}")
+        args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
+                          f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
+                          "keeps it")
     if args.reward_weights is None:
         args.reward_weights = {task.reward_terms[0]: 1.0}
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
     if args.shard_optimizer is None:
         args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not on_gpu(args):
-        # on a GPU the memory plan fits them (fitted_plan); packed passes have rows a pass only when asked
+    if not on_gpu(args):  # on a GPU the memory plan fits them (fitted_plan); packed passes have rows only when asked
         if args.pack and args.tokens_per_pass is None:
             args.tokens_per_pass = 4096
         if not args.pack and args.device_batch_size is None:
@@ -2471,12 +2418,12 @@ def resolve_config(argv=None):
 
 def apply_preset(args):
     """--algo's values for the flags not given, and the defaults that follow from other flags -> whether the demo's
-    entropy bonus was set (by the advantages' scale)."""
+    entropy bonus was set (by the advantages' scale: GDPO's are z-scored)."""
     for key, value in PRESETS[args.algo].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     demo_bonus = args.entropy_coef is None
-    if demo_bonus:  # the demo's, unless given: by the advantages' scale (GDPO's are z-scored)
+    if demo_bonus:
         args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
                                               args.advantage]
     if args.clip_eps_high is None:
@@ -2486,29 +2433,6 @@ def apply_preset(args):
     if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
         args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
     return demo_bonus
-
-
-def preset_notes(args, given, demo_bonus):
-    """Where the preset's values meet other flags: what changed and why -> notes."""
-    notes = []
-    # A teacher scores every token of every reply: the filters a preset sets for the reward's sake would throw its
-    # signal away (equal groups; cut-off replies, most of a young student's). Given explicitly, they stay.
-    filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
-               and PRESETS[args.algo].get(f)]
-    for name in filters:
-        setattr(args, name, False)
-    if filters:
-        notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} stay off "
-                     "with a teacher: it scores every token, of equal groups and cut-off replies too (give the flag "
-                     "to keep it)")
-    own = DEMO_ENTROPY_COEF[PRESETS[args.algo]["advantage"]]  # the bonus of the preset's own advantages
-    if demo_bonus and args.entropy_coef != own:  # a rung of the ladder that moves it says so
-        moved_by = ("--reward-combination normalize-then-sum" if args.reward_combination == "normalize-then-sum"
-                    else f"--advantage {args.advantage}")
-        notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
-                     f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
-                     "keeps it")
-    return notes
 
 
 def check_config(args):
@@ -2527,20 +2451,18 @@ def value_problems(args):
         (not args.rollout_correction_cap > 1, "--rollout-correction-cap must be > 1"),
         (args.clip_ratio_c is not None and not args.clip_ratio_c > 1,
          "--clip-ratio-c must be > 1: the dual clip bounds ratios above the PPO interval"),
-        (args.kl_coef < 0, "--kl-coef must be >= 0"),
-        (args.distill_coef < 0, "--distill-coef must be >= 0"),
+        *[(getattr(args, k) < 0, f"--{k.replace('_', '-')} must be >= 0") for k in ("kl_coef", "distill_coef")],
         (not (args.sapo_tau_pos > 0 and args.sapo_tau_neg > 0), "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
         (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
         (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.sapo_tau_pos, args.sapo_tau_neg,
-                                           args.kl_coef, args.entropy_coef, args.temperature, args.min_lr_frac,
-                                           args.lora_alpha))),
+                                           args.sapo_tau_pos, args.sapo_tau_neg, args.kl_coef, args.entropy_coef,
+                                           args.temperature, args.min_lr_frac, args.lora_alpha))),
          "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
          "--min-lr-frac and --lora-alpha must be finite numbers"),
-        (args.temperature < MIN_TEMPERATURE, f"--temperature {args.temperature} is (near) greedy: the replies of a "
-         f"group would be (nearly) all the same, with nothing to compare; use >= {MIN_TEMPERATURE}"),
+        (args.temperature < 0.1, f"--temperature {args.temperature} is (near) greedy: the replies of a group would "
+         "be (nearly) all the same, with nothing to compare; use >= 0.1"),  # 0.1: a logit lead of 1 is a ratio of e^10
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
         (min(lrs) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
@@ -2593,16 +2515,14 @@ def combination_problems(args):
          "class's name), other than the trained task's"),
         (args.num_steps is not None and args.warmup_steps >= args.num_steps,
          f"--warmup-steps {args.warmup_steps} leaves no step of the schedule (--num-steps {args.num_steps})"),
-        (args.ref_reset_every > 0 and args.kl_coef == 0,
-         "--ref-reset-every needs a reference model: set --kl-coef > 0"),
+        (args.ref_reset_every and not args.kl_coef, "--ref-reset-every needs a reference model: set --kl-coef > 0"),
         (args.num_minibatches > args.prompts_per_step // world_size * args.num_samples,
          "--num-minibatches is larger than the number of replies per rank"),
     ]
 
 
 def setup_problems(args):
-    """check_config's checks of what a run is set up on: the start model, the adapters and copies, the device, the
-    run folder, the evals -> [(bad, message)]."""
+    """check_config's checks of the start model, adapters, device, run folder and evals -> [(bad, message)]."""
     return [
         (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
          or (args.n_embd // max(1, args.n_head)) % 2,
@@ -2616,9 +2536,8 @@ def setup_problems(args):
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
         (re.fullmatch(r"cuda:\d+", args.device or "") and int(args.device[5:]) >= torch.cuda.device_count(),
          f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"),
-        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1,
-         "--eval-examples must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem "
-         "measures nothing"),
+        (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1, "--eval-examples "
+         "must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
         (args.lora_rank and args.init == "scratch", "--lora-rank adapts a trained model, and --init scratch starts "
          "from random weights: there is nothing to adapt (train all weights, or start from a checkpoint)"),
         (args.lora_rank and args.ref_dtype is not None, "--ref-dtype sets the dtype of a reference copy; with "
