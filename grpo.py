@@ -678,15 +678,15 @@ def reset_reference(model, ref_model, optimizers, step, args):
 
 
 # -----------------------------------------------------------------------------
-# The questions a step takes: a pure function of (step, rank), so that a resumed run picks up where it stopped
+# The questions a step takes (a pure function of (step, rank): a resumed run picks up where it stopped), and the
+# update's micro-batches: which rows share a pass, and their layout as one sequence
 
 EPOCH_ORDERS = {}  # (num_examples, seed, prompts_per_step) -> (the latest epoch computed, its order)
 
 
 def epoch_order(num_examples, seed, epoch, prompts_per_step):
-    """The order of epoch `epoch` (>= 1) of the questions: a permutation drawn from (seed, epoch), but a step that
-    straddles the previous epoch takes no question twice (the same group twice): those it holds come later in this
-    one. Each epoch depends on the one before: computed forward from epoch 1, the latest kept."""
+    """Epoch `epoch` (>= 1)'s order of the questions: a permutation drawn from (seed, epoch), but those a step that
+    straddles the previous epoch holds come later (no group twice). Computed forward from epoch 1, the latest kept."""
     key, start = (num_examples, seed, prompts_per_step), (0, range(num_examples))  # epoch 0: the task's own order
     done, order = EPOCH_ORDERS.get(key, start)
     if done > epoch:
@@ -704,16 +704,12 @@ def epoch_order(num_examples, seed, epoch, prompts_per_step):
 
 
 def prompt_indices(step, rank, world_size, args, num_examples):
-    """The task indices this rank trains on at this step. Epoch 0 keeps the task's own order, later epochs reshuffle
-    (epoch_order); a step's questions are distinct (given as many questions as a step takes)."""
+    """The task indices this rank trains on at this step: epoch 0 in the task's own order, later ones epoch_order's."""
     per_rank = args.prompts_per_step // world_size
     first = step * args.prompts_per_step + rank * per_rank
     return [i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i]
             for epoch, i in (divmod(g, num_examples) for g in range(first, first + per_rank))]
 
-
-# -----------------------------------------------------------------------------
-# The update's micro-batches: which rows share a pass, and their layout as one sequence
 
 def to_device(batch, device):
     """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
@@ -725,16 +721,12 @@ def to_device(batch, device):
 
 
 def plan_micro_batches(batch, args, static=None):
-    """The update's micro-batches -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies whose global row number is j modulo num_minibatches (a rank holds a contiguous
-    block of rows): any number of ranks takes the same steps. With --pack a minibatch's rows go first-fit, longest
-    first, into passes of at most --tokens-per-pass tokens (which rows share a pass depends on the rank's share: the
-    same steps up to float rounding). With --device-batch-size (always with --no-pack) each question's replies go
-    longest first, runs of that many rows a pass: when it divides a rank's rows, the same passes on any number of
-    ranks. A pass: its rows cut to their longest width [R, width], with --pack their token ids as one sequence
-    [1, total] (pack_micro_batch); and the flat positions its log-probs are needed at (the loss mask, or with the
-    KL in the reward every sampled token), so that no forward pass asks the device (a host sync per pass)."""
+    """The update's micro-batches -> (a list of dicts of tensors, each with its minibatch's number; this rank's
+    [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]). Minibatch j:
+    the replies whose global row is j modulo num_minibatches, so any number of ranks takes the same steps. --pack
+    fills passes of --tokens-per-pass tokens first-fit, longest first (the rows a pass shares depend on the rank's
+    share); --device-batch-size (always with --no-pack): runs of that many rows, question by question, longest
+    first. A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -747,8 +739,8 @@ def plan_micro_batches(batch, args, static=None):
         totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
         if args.pack and args.device_batch_size is None:
             passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
+        else:  # passes that do not depend on the number of ranks (when the size divides a rank's rows)
+            rows.sort(key=lambda r: (r // G, -widths[r]))
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
         for chunk in passes:
             width = max(widths[r] for r in chunk)
@@ -791,11 +783,9 @@ def update_stats(device):
 
 @torch.no_grad()
 def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
-    """Clip (when asked) and step every optimizer, measuring the gradient's norm before clipping, the update/weight
-    ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed. The optimizers
-    step one weight (Muon: one stack) at a time, the others' gradients set aside, so that the measurement copies one
-    tensor, never an optimizer's share of the model (nanochat's d20: gigabytes). Sharded (owners): a rank steps its
-    own weights, the sums are over ranks, and every weight then comes from its owner."""
+    """Clip (when asked) and step every optimizer, measuring the gradient's norm (before clipping), the update/weight
+    ratio and the weights' norm's factor. One weight (Muon: one stack) steps at a time, so the measurement copies one
+    tensor, never an optimizer's share. Sharded (owners): a rank steps its weights, then each comes from its owner."""
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
         else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
@@ -827,17 +817,14 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     update, before, after = squares.sqrt()
     stats["steps"] += 1
     stats["update_ratio"] += update / before
-    stats["weight_norm_factor"] = torch.maximum(stats["weight_norm_factor"], torch.maximum(after / before,
-                                                                                           before / after))
-    # a finite loss can still overflow the weights (a bool on the device: no host sync)
+    stats["weight_norm_factor"] = torch.stack([stats["weight_norm_factor"], after / before, before / after]).max()
     stats["weights_finite"] &= torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()],
-                                                               float("inf"))).isfinite().all()
+                                                               float("inf"))).isfinite().all()  # a finite loss too
 
 
 @torch.no_grad()
 def add_micro_batch_stats(stats, loss, parts, mask, stepped):
-    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]; stepped: whether an
-    optimizer step came before this pass in the update."""
+    """Add one micro-batch's loss and objective()'s parts; mask [B, T]; stepped: an optimizer step came before it."""
     sums = stats["sums"]
     sums["loss"] += loss
     sums["loss_policy"] += parts["loss_policy"]
@@ -863,7 +850,6 @@ def finish_update_stats(stats, args, with_kl, with_teacher=False):
     sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
     passes = args.ppo_epochs * args.num_minibatches
     tokens = sums["tokens"].clamp(min=1)
-    steps = max(stats["steps"], 1)
     return {
         **{name: (sums[name] / passes).item() for name in ("loss", "loss_policy")},
         "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
@@ -876,7 +862,7 @@ def finish_update_stats(stats, args, with_kl, with_teacher=False):
         "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
         "entropy": (sums["entropy"] / tokens).item(),
         "sampler_gap": (sums["sampler_gap"] / tokens).item(),  # mean |log pi_old - log pi_sampler|
-        **{name: (stats[name] / steps).item() if stats["steps"] else None  # grad_norm: before clipping
+        **{name: (stats[name] / stats["steps"]).item() if stats["steps"] else None  # grad_norm: before clipping
            for name in ("grad_norm", "update_ratio")},
         "weight_norm_factor": stats["weight_norm_factor"].item(),
         **{name: stats[name] for name in ("skipped_updates", "empty_updates", "no_signal_updates")},
@@ -950,32 +936,26 @@ def log_samples(args, run, step, groups, batch):
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
 
-SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
-# One update that changes the weights' global norm by more than this factor gets a warning: healthy runs stay within
-# a few percent per step (docs/reliability.md, "When things go wrong"), a step size orders of magnitude off not.
-WEIGHT_NORM_WARNING = 2.0
+SIGNAL_LESS_STEPS = 20  # steps in a row of only equal groups (nothing to learn, but from a teacher) before a warning
+WEIGHT_NORM_WARNING = 2.0  # one update changing the weights' norm by more warns (healthy: a few %, docs/reliability.md)
 
 
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
-    """Log the step's metrics; warn of what the numbers alone would not say (steps with nothing to learn, skipped
-    updates, a step size far too large); stop on non-finite weights, or losses too many steps in a row; evaluate
-    and save when due."""
+    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     weights_finite = stats.pop("weights_finite")
     metrics = step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier)
     record(run, metrics)
     log_samples(args, run, step, groups, batch)
+    optional = "".join(f" | {label} {metrics[key]:{spec}}" for label, key, spec in (
+        ("kl", "kl", ".4f"), ("teacher kl", "teacher_kl", ".4f"), ("clip", "clip_frac", ".3f"),
+        ("turns", "episode_turns", ".2f")) if metrics.get(key) is not None)
     run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
             f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
-            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
-            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
-            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
-            + (f" | turns {metrics['episode_turns']:.2f}" if "episode_turns" in metrics else "")
-            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
-              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
-              f"| {metrics['tokens_per_s']:.0f} tok/s")
-    # Steps whose groups all had equal rewards teach nothing (advantages 0; a teacher still teaches), unsaid otherwise
+            f"{optional} | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
+            f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
+            f"| {metrics['tokens_per_s']:.0f} tok/s")
     run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
     if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
         run.signal_less_steps = math.inf
@@ -1044,8 +1024,7 @@ def evaluate_and_save(args, run, step):
     stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
     evaluated = True  # the step's eval, when due, ran to its end
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-        # A stop saves first: an eval (minutes on a GPU) would outlast a launcher's grace period and lose the step
-        if stopping:
+        if stopping:  # saved first: an eval (minutes on a GPU) would outlast a launcher's grace period
             run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
         evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
                                               args.eval_examples) is not None
@@ -1056,10 +1035,8 @@ def evaluate_and_save(args, run, step):
         if run.master:
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
-        # Every rank waits for rank 0's write: a launcher ends the others once one process has ended (torchrun:
-        # SIGTERM, SIGKILL 30 s later), and a rank that stopped early would start that clock during the write.
-        requested = stop_requested(run)  # the barrier; and a stop that came during the save
-        stopping = stopping or (STOP["at_step_end"] and requested)
+        # Every rank waits for rank 0's write: one that ended early would start the launcher's kill clock (30 s)
+        stopping = (stop_requested(run) and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
     if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
         raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
 
@@ -1077,16 +1054,14 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
         # the resume state first, the model after: a step counts as saved once its model file exists
-        atomic_save({"step": step, "optimizers": optimizer_states,
-                     "master_weights": master_weights(model),
+        atomic_save({"step": step, "optimizers": optimizer_states, "master_weights": master_weights(model),
                      "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
                     os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
         save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
-        # Only now that this step is complete may older states go (optimizer state, master weights and reference
-        # are several times the model's size); every model file stays, so nanochat can load any saved step.
-        if keep_states:
-            for old in complete_steps(checkpoint_dir)[:-keep_states]:
-                os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
+        # Only now that this step is complete may older states go (several times the model's size); every model
+        # file stays, so nanochat can load any saved step. --keep-states 0 keeps all ([:-0] is empty).
+        for old in complete_steps(checkpoint_dir)[:-keep_states]:
+            os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
 
 
 # -----------------------------------------------------------------------------
@@ -1108,8 +1083,7 @@ def main(argv=None):
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = launched()[0]
-    # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
-    writes = not (args.eval_only or args.ask)
+    writes = not (args.eval_only or args.ask)  # nothing of the run's (--resume --eval-only: its own result only)
     with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
         try:
             with lock_run_dir(run_dir) if rank == 0 and (writes or (args.eval_only and args.resume)) else nullcontext():
@@ -1162,8 +1136,7 @@ def launched():
 def out_of_memory(args, world_size, trace):
     """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of OOM_PHASES on its
     traceback), the sizes that drove that phase's memory, and the flags that lower them."""
-    calls = [frame.name for frame in traceback.extract_tb(trace)]
-    phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
+    phase = next((frame.name for frame in reversed(traceback.extract_tb(trace)) if frame.name in OOM_PHASES), None)
     rows = args.prompts_per_step // world_size * args.num_samples
     if phase == "sample_groups":
         per_call = min(rows, max(args.num_samples, args.sample_batch_size or rows))
@@ -1190,12 +1163,11 @@ def out_of_memory(args, world_size, trace):
 
 
 OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")  # what out_of_memory reports against
-
-
+# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 # A stop signal during the steps (--save-on-stop), its name and when it came: end_of_step saves the step and stops.
 STOP = {"received": None, "since": 0.0, "at_step_end": False}
-# Under torchrun the same signal again within this many seconds is the same stop: the launcher forwards its signals
-# to its workers, so a signal to the whole job reaches each worker twice. Without it a second one is a second Ctrl-C.
+# Under torchrun a job's signal reaches each worker twice (forwarded): a repeat within this many seconds is one stop.
 SIGNAL_REPEAT_SECONDS = 2.0
 
 
@@ -1214,9 +1186,8 @@ def stop_signals():
 
 
 def stop_at_step_end(signum, frame):
-    """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    skipping or abandoning an eval, then stops); a second one (not a torchrun repeat), or one outside the steps,
-    stops at once (after a write under way)."""
+    """Signal handler: during the steps the first stop signal is noted and the step goes on (end_of_step saves it);
+    a second one (not a torchrun repeat), or one outside the steps, stops at once (after a write under way)."""
     name, now = signal.Signals(signum).name, time.monotonic()
     repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
     if STOP["received"] == name and now - STOP["since"] < repeat:
@@ -1231,14 +1202,9 @@ def stop_at_step_end(signum, frame):
                     f"of its batch for --resume to run ({second} stops it at once)\n".encode())
 
 
-# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
-    False: the remedy changes an input --resume checks: a new run, and one that stopped before its first step is
-    removed so the same command runs again). Only rank 0, which writes the checkpoints, names one."""
+    False: the remedy changes an input --resume checks, so a new run). Only rank 0, which writes them, names one."""
     rank = launched()[0]
     if rank != 0:
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
