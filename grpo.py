@@ -784,8 +784,8 @@ def update_stats(device):
 @torch.no_grad()
 def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     """Clip (when asked) and step every optimizer, measuring the gradient's norm (before clipping), the update/weight
-    ratio and the weights' norm's factor. One weight (Muon: one stack) steps at a time, so the measurement copies one
-    tensor, never an optimizer's share. Sharded (owners): a rank steps its weights, then each comes from its owner."""
+    ratio and the factor by which the weights' norm changed. One weight (Muon: one stack) steps at a time, so that
+    the measurement copies one tensor, never an optimizer's share. Sharded (owners): a rank steps its own weights."""
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
         else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
@@ -818,8 +818,8 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     stats["steps"] += 1
     stats["update_ratio"] += update / before
     stats["weight_norm_factor"] = torch.stack([stats["weight_norm_factor"], after / before, before / after]).max()
-    stats["weights_finite"] &= torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()],
-                                                               float("inf"))).isfinite().all()  # a finite loss too
+    weights = [p.detach() for p in model.parameters()]  # a finite loss can still overflow them
+    stats["weights_finite"] &= torch.stack(torch._foreach_norm(weights, float("inf"))).isfinite().all()
 
 
 @torch.no_grad()
