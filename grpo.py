@@ -677,34 +677,29 @@ def reset_reference(model, ref_model, optimizers, step, args):
 
 
 # =============================================================================
-# The run's plumbing, in the order it is called: what a step calls (the questions it takes, the micro-batches, the
-# optimizer step, the learning rates, the step's end), then main and the run's set-up (the self-check, the memory
-# plan), the flags, the run folder and --resume, evaluation and --ask, --compare. Nothing below needs to be read to
-# follow the algorithm.
+# The run's plumbing, in the order it is called: what a step calls, then main and the run's set-up, the flags, the
+# run folder and --resume, evaluation and --ask, --compare. Nothing below needs to be read to follow the algorithm.
 # =============================================================================
 
 
 # -----------------------------------------------------------------------------
-# The questions a step takes: a pure function of (step, rank), so that a resumed run picks up where it stopped
+# The questions a step takes (a pure function of (step, rank): a resumed run picks up where it stopped), and the
+# update's micro-batches: which rows share a pass, and their layout as one sequence
 
 EPOCH_ORDERS = {}  # (num_examples, seed, prompts_per_step) -> (the latest epoch computed, its order)
 
 
 def epoch_order(num_examples, seed, epoch, prompts_per_step):
-    """The order in which the steps take epoch `epoch` (>= 1) of the questions: a permutation drawn from (seed,
-    epoch), except that a step which straddles the boundary with the previous epoch takes no question twice (the
-    same question with the same noise, seed-step-question, would be the same group twice): the questions it still
-    holds of the previous epoch are drawn later in this one. Each epoch depends on the end of the one before, so
-    the orders are computed forward from epoch 1, the latest kept."""
-    key = (num_examples, seed, prompts_per_step)
-    done, order = EPOCH_ORDERS.get(key, (0, None))
+    """Epoch `epoch` (>= 1)'s order of the questions: a permutation drawn from (seed, epoch), but those a step that
+    straddles the previous epoch holds come later (no group twice). Computed forward from epoch 1, the latest kept."""
+    key, start = (num_examples, seed, prompts_per_step), (0, range(num_examples))  # epoch 0: the task's own order
+    done, order = EPOCH_ORDERS.get(key, start)
     if done > epoch:
-        done, order = 0, None
+        done, order = start
     while done < epoch:
         done += 1
         straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
-        held = set(order[num_examples - straddled:] if order is not None else  # epoch 0: the task's own order
-                   range(num_examples - straddled, num_examples)) if straddled else set()
+        held = set(order[num_examples - straddled:]) if straddled else set()
         shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
         free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
         taken = set(free)
@@ -714,42 +709,29 @@ def epoch_order(num_examples, seed, epoch, prompts_per_step):
 
 
 def prompt_indices(step, rank, world_size, args, num_examples):
-    """The task indices this rank trains on at this step: a pure function of (step, rank), so a resumed run
-    picks up exactly where it stopped. Epoch 0 keeps the task's own (fixed) order, later epochs reshuffle
-    (epoch_order); a step's questions are distinct (given as many questions as a step takes)."""
+    """The task indices this rank trains on at this step: epoch 0 in the task's own order, later ones epoch_order's."""
     per_rank = args.prompts_per_step // world_size
     first = step * args.prompts_per_step + rank * per_rank
-    indices = []
-    for g in range(first, first + per_rank):
-        epoch, i = divmod(g, num_examples)
-        indices.append(i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i])
-    return indices
+    return [i if epoch == 0 else epoch_order(num_examples, args.seed, epoch, args.prompts_per_step)[i]
+            for epoch, i in (divmod(g, num_examples) for g in range(first, first + per_rank))]
 
-
-# -----------------------------------------------------------------------------
-# The update's micro-batches: which rows share a pass, and their layout as one sequence
 
 def to_device(batch, device):
     """The batch's tensors, its micro-batches' too, on the device (in one go, before the update)."""
-    def move(value):
-        if torch.is_tensor(value):
-            return value.to(device)
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        return [move(v) for v in value] if isinstance(value, list) else value
-    return move(batch)
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return [to_device(v, device) for v in batch] if isinstance(batch, list) else batch
 
 
 def plan_micro_batches(batch, args, static=None):
-    """The update's micro-batches: -> (a list of them, each a dict of tensors with its minibatch's number; this
-    rank's [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]).
-    Minibatch j takes the replies whose global row number is j modulo num_minibatches: each rank holds a contiguous
-    block of N rows, so the union over ranks of a minibatch is one process's and any number of ranks takes the
-    same steps. With --pack a minibatch's rows go first-fit, longest first, into passes of at most --tokens-per-pass
-    tokens: real tokens only, tightly filled, but which rows share a pass depends on the rank's share (other ranks:
-    the same steps up to float rounding). With --device-batch-size (and always with --no-pack) each question's
-    replies go longest first, and runs of that many rows make the passes: when it divides a rank's rows, the same
-    passes on any number of ranks. How a pass's rows become its tensors: micro_batch, below."""
+    """The update's micro-batches -> (a list of dicts of tensors, each with its minibatch's number; this rank's
+    [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]). Minibatch j:
+    the replies whose global row is j modulo num_minibatches, so any number of ranks takes the same steps. --pack
+    fills passes of --tokens-per-pass tokens first-fit, longest first (the rows a pass shares depend on the rank's
+    share); --device-batch-size (always with --no-pack): runs of that many rows, question by question, longest
+    first. A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -762,30 +744,23 @@ def plan_micro_batches(batch, args, static=None):
         totals.append([float(loss_denominator(mask, args.aggregation, args.max_new_tokens)), float(mask.sum())])
         if args.pack and args.device_batch_size is None:
             passes = first_fit_decreasing(rows, widths, args.tokens_per_pass)
-        else:  # question by question, longest first, runs of --device-batch-size rows: passes whose rows do not
-            rows.sort(key=lambda r: (r // G, -widths[r]))  # depend on the number of ranks (when it divides a rank's)
+        else:  # passes that do not depend on the number of ranks (when the size divides a rank's rows)
+            rows.sort(key=lambda r: (r // G, -widths[r]))
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
-        micro_batches += [micro_batch(batch, chunk, j, widths, needed, args, static) for chunk in passes]
+        for chunk in passes:
+            width = max(widths[r] for r in chunk)
+            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                                       "sampler_logprobs")}
+            mb.update(minibatch=j, rows=torch.tensor(chunk))
+            if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
+                mb["pass_normalisers"] = batch["pass_normalisers"][chunk]
+            if args.pack:  # the masks stay in the rows' layout
+                mb.update(pack_micro_batch(mb, [widths[r] for r in chunk], args.tokens_per_pass, static))
+                mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
+            else:
+                mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
+            micro_batches.append(mb)
     return micro_batches, torch.tensor(totals, dtype=torch.float64), torch.tensor(row_minibatch)
-
-
-def micro_batch(batch, rows, minibatch, widths, needed, args, static):
-    """One forward/backward pass of the update: these rows of the batch, cut to their longest width [R, width] (the
-    rows' own layout), with --pack their token ids as one sequence [1, total] (pack_micro_batch). It carries the
-    positions its log-probs are needed at (flat indices of `needed`: the loss mask, or with the KL in the reward
-    every sampled token), so that the forward passes never ask the device which they are (a host sync per pass)."""
-    width = max(widths[r] for r in rows)
-    mb = {k: batch[k][rows, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                              "sampler_logprobs")}
-    mb.update(minibatch=minibatch, rows=torch.tensor(rows))
-    if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
-        mb["pass_normalisers"] = batch["pass_normalisers"][rows]
-    if args.pack:  # the masks stay in the rows' layout
-        mb.update(pack_micro_batch(mb, [widths[r] for r in rows], args.tokens_per_pass, static))
-        mb["positions"] = mb["row_positions"][mb[needed] > 0]  # [K], flat in the packed sequence
-    else:
-        mb["positions"] = mb[needed].flatten().nonzero().squeeze(1)  # [K], flat in [R * width]
-    return mb
 
 
 @torch.no_grad()
@@ -798,7 +773,7 @@ def teacher_top_logprobs(teacher, mb, args):
 
 
 # -----------------------------------------------------------------------------
-# The optimizer step and the update's statistics: summed on the device, read once when the update ends
+# The optimizer step and the update's statistics (summed on the device, read once at its end), the learning rates
 
 def update_stats(device):
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -813,13 +788,9 @@ def update_stats(device):
 
 @torch.no_grad()
 def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
-    """Clip (when asked) and step every optimizer, measuring the step: the gradient's norm before clipping, the
-    update-to-weight ratio ||W_after - W_before|| / ||W_before|| and the factor by which the weights' norm changed.
-    The optimizers step one weight at a time, Muon one of its stacks (the others' gradients set aside: torch's
-    optimizers and Muon skip a weight without one), so that the copy the measurement needs is of one tensor or
-    stack, never of a whole optimizer's share of the model (for nanochat's d20, gigabytes of embeddings). With a
-    sharded optimizer (owners) a rank holds the gradients of its own weights only: it steps those, the sums are
-    over ranks, and every weight then comes from its owner."""
+    """Clip (when asked) and step every optimizer, measuring the gradient's norm (before clipping), the update/weight
+    ratio and the factor by which the weights' norm changed. One weight (Muon: one stack) steps at a time, so that
+    the measurement copies one tensor, never an optimizer's share. Sharded (owners): a rank steps its own weights."""
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.stack(torch._foreach_norm([p.grad for p in params])).double().square().sum() if params \
         else torch.zeros((), dtype=torch.float64, device=stats["grad_norm"].device)
@@ -851,30 +822,28 @@ def optimizer_step(model, optimizers, stats, grad_clip, owners=None):
     update, before, after = squares.sqrt()
     stats["steps"] += 1
     stats["update_ratio"] += update / before
-    stats["weight_norm_factor"] = torch.maximum(stats["weight_norm_factor"], torch.maximum(after / before,
-                                                                                           before / after))
-    stats["weights_finite"] &= weights_are_finite(model)  # a finite loss can still overflow the weights
+    stats["weight_norm_factor"] = torch.stack([stats["weight_norm_factor"], after / before, before / after]).max()
+    weights = [p.detach() for p in model.parameters()]  # a finite loss can still overflow them
+    stats["weights_finite"] &= torch.stack(torch._foreach_norm(weights, float("inf"))).isfinite().all()
 
 
 @torch.no_grad()
 def add_micro_batch_stats(stats, loss, parts, mask, stepped):
-    """Add one micro-batch's loss and the parts that objective() returned; mask [B, T]; stepped: whether an
-    optimizer step came before this pass in the update."""
+    """Add one micro-batch's loss and objective()'s parts; mask [B, T]; stepped: an optimizer step came before it."""
     sums = stats["sums"]
     sums["loss"] += loss
     sums["loss_policy"] += parts["loss_policy"]
     if "kl" in parts:
         sums["loss_kl"] += parts["loss_kl"]
-        sums["kl"] += (parts["kl"] * mask).sum()
+    for name in ("kl", "teacher_kl", "entropy"):  # per token
+        if name in parts:
+            sums[name] += (parts[name] * mask).sum()
     if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
         clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
         sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
         sums["clipped_high"] += (clipped * (parts["log_ratio"] > 0)).sum()
         sums["clip_tokens"] += mask.sum()
     sums["tokens"] += mask.sum()
-    if "teacher_kl" in parts:
-        sums["teacher_kl"] += (parts["teacher_kl"] * mask).sum()
-    sums["entropy"] += (parts["entropy"] * mask).sum()
     sums["sampler_gap"] += (parts["sampler_gap"].abs() * mask).sum()
     ratio = torch.exp(parts["log_ratio"]).expand_as(mask).masked_fill(mask == 0, 1.0)
     stats["ratio_min"] = torch.minimum(stats["ratio_min"], ratio.min())
@@ -886,10 +855,8 @@ def finish_update_stats(stats, args, with_kl, with_teacher=False):
     sums = dict(zip(stats["sums"], all_reduce(torch.stack(list(stats["sums"].values())))))
     passes = args.ppo_epochs * args.num_minibatches
     tokens = sums["tokens"].clamp(min=1)
-    steps = max(stats["steps"], 1)
     return {
-        "loss": (sums["loss"] / passes).item(),
-        "loss_policy": (sums["loss_policy"] / passes).item(),
+        **{name: (sums[name] / passes).item() for name in ("loss", "loss_policy")},
         "loss_kl": (sums["loss_kl"] / passes).item() if with_kl else None,
         "kl": (sums["kl"] / tokens).item() if with_kl else None,
         "teacher_kl": (sums["teacher_kl"] / tokens).item() if with_teacher else None,  # mean log pi_old - log pi_T
@@ -900,12 +867,10 @@ def finish_update_stats(stats, args, with_kl, with_teacher=False):
         "ratio_max": all_reduce(stats["ratio_max"], dist.ReduceOp.MAX).item(),
         "entropy": (sums["entropy"] / tokens).item(),
         "sampler_gap": (sums["sampler_gap"] / tokens).item(),  # mean |log pi_old - log pi_sampler|
-        "grad_norm": (stats["grad_norm"] / steps).item() if stats["steps"] else None,  # before clipping
-        "update_ratio": (stats["update_ratio"] / steps).item() if stats["steps"] else None,
+        **{name: (stats[name] / stats["steps"]).item() if stats["steps"] else None  # grad_norm: before clipping
+           for name in ("grad_norm", "update_ratio")},
         "weight_norm_factor": stats["weight_norm_factor"].item(),
-        "skipped_updates": stats["skipped_updates"],
-        "empty_updates": stats["empty_updates"],
-        "no_signal_updates": stats["no_signal_updates"],
+        **{name: stats[name] for name in ("skipped_updates", "empty_updates", "no_signal_updates")},
         "weights_finite": bool(all_reduce(stats["weights_finite"].int(), dist.ReduceOp.MIN).item()),
     }
 
@@ -919,14 +884,6 @@ def optimizer_state_bytes(optimizers):
     """The bytes of this rank's optimizer state."""
     return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
 
-
-def weights_are_finite(model):
-    """-> a bool tensor on the device (no host sync): every weight is finite."""
-    return torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()], float("inf"))).isfinite().all()
-
-
-# -----------------------------------------------------------------------------
-# The learning rates' schedule
 
 def lr_multiplier(step, args):
     """The learning rates' multiplier at this step (0-based): a linear warmup over --warmup-steps, then the schedule
@@ -962,8 +919,7 @@ SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "
 
 def log_samples(args, run, step, groups, batch):
     """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
-    reply side by side (one reply of a group whose rewards are equal), groups whose rewards differ first (they are
-    the ones the update learns from)."""
+    reply side by side (an all-equal group's one), the groups the update learns from (rewards differ) first."""
     if not (run.master and run.writes and args.log_samples):
         return
     G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
@@ -985,82 +941,26 @@ def log_samples(args, run, step, groups, batch):
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
 
-SIGNAL_LESS_STEPS = 20  # steps in a row whose every group had equal rewards before a run warns (once)
-
-
-# One update that grows or shrinks the weights' global norm by more than this factor gets a warning. Healthy runs
-# stay within a few percent per step (see docs/reliability.md, "When things go wrong"); a step size that is orders
-# of magnitude off multiplies the norm by far more.
-WEIGHT_NORM_WARNING = 2.0
+SIGNAL_LESS_STEPS = 20  # steps in a row of only equal groups (nothing to learn, but from a teacher) before a warning
+WEIGHT_NORM_WARNING = 2.0  # one update changing the weights' norm by more warns (healthy: a few %, docs/reliability.md)
 
 
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
-    """Log the step's metrics, stop on non-finite weights or losses, evaluate and save when due."""
+    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     weights_finite = stats.pop("weights_finite")
     metrics = step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier)
     record(run, metrics)
     log_samples(args, run, step, groups, batch)
+    optional = "".join(f" | {label} {metrics[key]:{spec}}" for label, key, spec in (
+        ("kl", "kl", ".4f"), ("teacher kl", "teacher_kl", ".4f"), ("clip", "clip_frac", ".3f"),
+        ("turns", "episode_turns", ".2f")) if metrics.get(key) is not None)
     run.log(f"step {step + 1}/{args.num_steps} | reward {metrics['reward']:.3f} | equal groups "
             f"{metrics['equal_group_frac']:.2f} | len {metrics['reply_len']:.1f} | loss {metrics['loss']:+.4f}"
-            + (f" | kl {metrics['kl']:.4f}" if metrics["kl"] is not None else "")
-            + (f" | teacher kl {metrics['teacher_kl']:.4f}" if metrics["teacher_kl"] is not None else "")
-            + (f" | clip {metrics['clip_frac']:.3f}" if metrics["clip_frac"] is not None else "")
-            + (f" | turns {metrics['episode_turns']:.2f}" if "episode_turns" in metrics else "")
-            + f" | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
-              f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
-              f"| {metrics['tokens_per_s']:.0f} tok/s")
-    step_warnings(args, run, step, metrics, stats, weights_finite)
-    evaluate_and_save(args, run, step)
-
-
-def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
-    """The step's metrics.jsonl line: the rewards and replies summed over the ranks, the update's statistics."""
-    samples = groups["samples"]
-    # the policy's own rewards: of every group it sampled, also those dynamic sampling left out ("drawn")
-    drawn = groups.get("drawn", groups)
-    names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
-    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
-                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
-                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
-                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
-                 equal_groups_kept=batch["equal_groups"].sum(),
-                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
-                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
-                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
-    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
-    local.update(episodes)
-    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
-                                                   device=run.device)).tolist()))  # over all ranks
-    return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
-               "reward_group_std": sums["reward_group_std"] / sums["groups"],
-               "equal_group_frac": sums["equal_groups"] / sums["groups"],
-               **{name: sums[name] / sums["replies"] for name in names}, **stats,
-               **({"reward_kept": sums["reward_kept"] / sums["kept_replies"],
-                   "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups
-                  else {}),  # dynamic sampling: what the update saw, the groups it kept
-               "reply_len": sums["tokens"] / sums["kept_replies"],
-               "truncated_frac": sums["truncated"] / sums["kept_replies"],
-               "overlong_penalty": sums["overlong_penalty"] / sums["kept_replies"],
-               **{name: sums[name] / sums["kept_replies"] for name in episodes},  # episodes: turns, how they ended
-               "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
-               "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
-               "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
-               "optimizer_state_mb": all_reduce(torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20,
-                                                             dtype=torch.float64, device=run.device),
-                                                dist.ReduceOp.MAX).item(),  # the largest rank's
-               "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
-                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-               "wall_time": time.time() - run.wall_start}
-
-
-def step_warnings(args, run, step, metrics, stats, weights_finite):
-    """Say what the numbers alone would not: steps with nothing to learn, skipped updates, a step size far too
-    large; stop on non-finite weights, or losses too many steps in a row."""
-    # Steps whose every group had equal rewards teach nothing (all advantages 0), and nothing else would say so.
-    # (A teacher teaches in equal groups too.)
+            f"{optional} | {time.time() - step_start:.2f}s (sample {times['time_sample']:.2f}, "
+            f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
+            f"| {metrics['tokens_per_s']:.0f} tok/s")
     run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
     if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
         run.signal_less_steps = math.inf
@@ -1082,6 +982,45 @@ def step_warnings(args, run, step, metrics, stats, weights_finite):
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
         stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
                  "lower the learning rates or set --grad-clip (a resumed run may change those)")
+    evaluate_and_save(args, run, step)
+
+
+def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
+    """The step's metrics.jsonl line: the rewards and replies summed over the ranks, the update's statistics."""
+    samples = groups["samples"]
+    drawn = groups.get("drawn", groups)  # the policy's own rewards: also of the groups dynamic sampling left out
+    names = [f"reward/{name}" for name in run.train_task.reward_terms]
+    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
+    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
+                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
+                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
+                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
+                 equal_groups_kept=batch["equal_groups"].sum(),
+                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
+                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
+                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
+    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
+    local.update(episodes)
+    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
+                                                   device=run.device)).tolist()))  # over all ranks
+    kept = sums["kept_replies"]
+    state_mb = torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20, dtype=torch.float64, device=run.device)
+    return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
+            "reward_group_std": sums["reward_group_std"] / sums["groups"],
+            "equal_group_frac": sums["equal_groups"] / sums["groups"],
+            **{name: sums[name] / sums["replies"] for name in names}, **stats,
+            **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
+                "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
+            "reply_len": sums["tokens"] / kept, "truncated_frac": sums["truncated"] / kept,
+            "overlong_penalty": sums["overlong_penalty"] / kept,
+            **{name: sums[name] / kept for name in episodes},  # episodes: turns, how they ended
+            "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
+            "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
+            "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
+            "optimizer_state_mb": all_reduce(state_mb, dist.ReduceOp.MAX).item(),  # the largest rank's
+            "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
+                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "wall_time": time.time() - run.wall_start}
 
 
 def evaluate_and_save(args, run, step):
@@ -1090,9 +1029,7 @@ def evaluate_and_save(args, run, step):
     stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
     evaluated = True  # the step's eval, when due, ran to its end
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-        # A stop saves first: an eval (minutes on a GPU) would outlast a launcher's grace period and lose the step.
-        # --resume runs the eval it skipped (first_eval).
-        if stopping:
+        if stopping:  # saved first: an eval (minutes on a GPU) would outlast a launcher's grace period
             run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
         evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
                                               args.eval_examples) is not None
@@ -1103,11 +1040,8 @@ def evaluate_and_save(args, run, step):
         if run.master:
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
-        # Every rank waits for rank 0's write: a launcher ends the job's other processes once one of them has
-        # ended (torchrun: SIGTERM, then SIGKILL 30 s later), and a rank that stopped early would start that clock
-        # while the checkpoint is still being written.
-        requested = stop_requested(run)  # the barrier; and a stop that came during the save
-        stopping = stopping or (STOP["at_step_end"] and requested)
+        # Every rank waits for rank 0's write: one that ended early would start the launcher's kill clock (30 s)
+        stopping = (stop_requested(run) and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
     if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
         raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
 
@@ -1125,16 +1059,14 @@ def save_training_state(run_dir, tag, step, model, ref_model, optimizer_states, 
     checkpoint_dir = os.path.join(run_dir, "chatrl_checkpoints", tag)
     with writing():  # a stop signal waits for the whole step, so that it is the checkpoint the stop line names
         # the resume state first, the model after: a step counts as saved once its model file exists
-        atomic_save({"step": step, "optimizers": optimizer_states,
-                     "master_weights": master_weights(model),
+        atomic_save({"step": step, "optimizers": optimizer_states, "master_weights": master_weights(model),
                      "ref_model": ref_model.state_dict() if ref_model not in (None, model) else None},
                     os.path.join(checkpoint_dir, f"state_{step:06d}.pt"))
         save_checkpoint(checkpoint_dir, step, model, {"nanogrpo_config": config})
-        # Only now that this step is complete may older states go (optimizer state, master weights and reference
-        # are several times the model's size); every model file stays, so nanochat can load any saved step.
-        if keep_states:
-            for old in complete_steps(checkpoint_dir)[:-keep_states]:
-                os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
+        # Only now that this step is complete may older states go (several times the model's size); every model
+        # file stays, so nanochat can load any saved step. --keep-states 0 keeps all ([:-0] is empty).
+        for old in complete_steps(checkpoint_dir)[:-keep_states]:
+            os.remove(os.path.join(checkpoint_dir, f"state_{old:06d}.pt"))
 
 
 # -----------------------------------------------------------------------------
@@ -1156,8 +1088,7 @@ def main(argv=None):
         sys.exit(f"error: --resume: no checkpoint with training state in {run_dir}: no run was started there (check "
                  "--runs-dir and --run-name, or drop --resume to start one)")
     rank = launched()[0]
-    # An evaluation writes nothing of the run's: --ask nothing at all, --resume --eval-only its own result only
-    writes = not (args.eval_only or args.ask)
+    writes = not (args.eval_only or args.ask)  # nothing of the run's (--resume --eval-only: its own result only)
     with stop_signals():  # a repeat of the stop's signal while the stop is reported changes nothing
         try:
             with lock_run_dir(run_dir) if rank == 0 and (writes or (args.eval_only and args.resume)) else nullcontext():
@@ -1208,10 +1139,9 @@ def launched():
 
 
 def out_of_memory(args, world_size, trace):
-    """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of the step's functions
-    on its traceback), the sizes that drove that phase's memory, and the flags that lower them."""
-    calls = [frame.name for frame in traceback.extract_tb(trace)]
-    phase = next((name for name in reversed(calls) if name in OOM_PHASES), None)
+    """-> (problem, remedy) for an out-of-memory error: the phase it arose in (the innermost of OOM_PHASES on its
+    traceback), the sizes that drove that phase's memory, and the flags that lower them."""
+    phase = next((frame.name for frame in reversed(traceback.extract_tb(trace)) if frame.name in OOM_PHASES), None)
     rows = args.prompts_per_step // world_size * args.num_samples
     if phase == "sample_groups":
         per_call = min(rows, max(args.num_samples, args.sample_batch_size or rows))
@@ -1221,16 +1151,13 @@ def out_of_memory(args, world_size, trace):
                 f"{args.num_samples}), or --max-new-tokens")
     if phase in ("frozen_logprobs", "policy_update"):
         what = "computing the old and reference log-probs" if phase == "frozen_logprobs" else "in the update"
-        if args.pack and args.device_batch_size:  # the passes are rows of whole questions: --tokens-per-pass idle
-            return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} packed rows a forward "
-                    f"pass, each a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size "
-                    "(the result is the same, in more passes) or --max-new-tokens")
-        if args.pack:
+        if args.pack and not args.device_batch_size:
             return (f"out of GPU memory {what}: --tokens-per-pass {args.tokens_per_pass} tokens a forward pass",
                     "lower --tokens-per-pass (at least the longest prompt and reply), or give --device-batch-size "
                     "(rows a pass): the result is the same, in more passes")
-        return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} rows a forward pass, each "
-                f"a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
+        packed = "packed " if args.pack else ""  # with --device-batch-size: rows of whole questions a pass
+        return (f"out of GPU memory {what}: --device-batch-size {args.device_batch_size} {packed}rows a forward pass, "
+                f"each a prompt and up to {args.max_new_tokens} reply tokens", "lower --device-batch-size (the "
                 "result is the same, in more passes) or --max-new-tokens")
     if phase == "evaluate":
         return (f"out of GPU memory in the eval: {EVAL_BATCH} problems a batch, x {max(1, args.pass_k)} replies of up "
@@ -1240,30 +1167,22 @@ def out_of_memory(args, world_size, trace):
             "(--ref-dtype bfloat16) or use a GPU with more memory")
 
 
-# The functions of a step whose memory an out-of-memory error is reported against (see out_of_memory)
-OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")
-
-
-# A stop signal during the steps (--save-on-stop): its name and when it came, noted by stop_at_step_end; end_of_step
-# then saves the step under way and stops.
+OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")  # what out_of_memory reports against
+# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+# A stop signal during the steps (--save-on-stop), its name and when it came: end_of_step saves the step and stops.
 STOP = {"received": None, "since": 0.0, "at_step_end": False}
-
-
-# Under torchrun the same signal again within this many seconds is the same stop: the launcher forwards every signal
-# it gets to its workers, so a scheduler's or a terminal's signal to the whole job reaches each worker twice. A
-# process of its own gets each signal once: there a second one, however soon, is a person's second Ctrl-C.
+# Under torchrun a job's signal reaches each worker twice (forwarded): a repeat within this many seconds is one stop.
 SIGNAL_REPEAT_SECONDS = 2.0
 
 
 @contextmanager
 def stop_signals():
-    """Ctrl-C, SIGTERM and SIGHUP (what SLURM and other schedulers send) end a run with the one-line stop; one that
-    arrives while a file is written waits until the file is whole (model.writing). During the steps, with
-    --save-on-stop, the first one lets the step under way finish and be saved (stop_at_step_end)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    """Ctrl-C, SIGTERM and SIGHUP (SLURM and other schedulers) end a run with the one-line stop, after a file being
+    written is whole (model.writing); with --save-on-stop, after the step under way is saved (stop_at_step_end)."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a handler only the main thread may set
+    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in signals} \
+        if threading.current_thread() is threading.main_thread() else {}
     try:
         yield
     finally:
@@ -1272,10 +1191,8 @@ def stop_signals():
 
 
 def stop_at_step_end(signum, frame):
-    """Signal handler: during the steps, the first stop signal is noted and the step goes on (end_of_step saves it,
-    skipping or abandoning an eval, then stops); a second one, or one outside the steps, stops at once (after a
-    write under way). Under torchrun the same signal again within SIGNAL_REPEAT_SECONDS is the first one delivered
-    twice (by the launcher too), and changes nothing."""
+    """Signal handler: during the steps the first stop signal is noted and the step goes on (end_of_step saves it);
+    a second one (not a torchrun repeat), or one outside the steps, stops at once (after a write under way)."""
     name, now = signal.Signals(signum).name, time.monotonic()
     repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
     if STOP["received"] == name and now - STOP["since"] < repeat:
@@ -1290,15 +1207,9 @@ def stop_at_step_end(signum, frame):
                     f"of its batch for --resume to run ({second} stops it at once)\n".encode())
 
 
-# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
-    False: the remedy changes an input --resume checks, so a new run starts from it; one that stopped before its
-    first step is removed, so that the same command runs again). Rank 0 writes the checkpoints: another rank does
-    not know whether one is being written, and names none."""
+    False: the remedy changes an input --resume checks, so a new run). Only rank 0, which writes them, names one."""
     rank = launched()[0]
     if rank != 0:
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
@@ -1316,11 +1227,9 @@ def stop_run(run_dir, problem, remedy, resume=True):
     if not resume and discard_unstarted(run_dir):
         sys.exit(f"error: {problem}. The run stopped before its first step, and its files are removed: {then}run the "
                  "command again")
-    if not resume:
-        sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}run the command again with another "
-                 "--run-name (--resume refuses changed inputs)")
-    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}start it over from step 0 with the "
-             "same command and --resume")
+    sys.exit(f"error: {problem}. No checkpoint of this run was saved: {then}" + (
+        "start it over from step 0 with the same command and --resume" if resume
+        else "run the command again with another --run-name (--resume refuses changed inputs)"))
 
 
 # -----------------------------------------------------------------------------
