@@ -265,34 +265,44 @@ def test_a_session_past_its_watchdog_is_ended_with_its_rows_and_the_running_part
                         r"not return\) and was left behind", rows[0]["summary"])
     assert re.fullmatch(r"stopped at 1 s \(estimate 0 s\): the watchdog ended the session at 2 s", rows[2]["summary"])
     assert rows[3]["summary"] == "not started: the watchdog ended the session at 2 s"
-    line = "the watchdog ended the session at 2 s, 0.5 s past its budget of 1.2 s, during part 4"
+    line = "the watchdog ended the session at 2 s: the session ran past its 1 s budget; part 4 was running"
     assert open(tmp_path / "results.md").read().endswith(f"\n{line}\n") and f"[watchdog] {line}" in done.stdout
     assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["running"] == ["4"]
 
 
-def test_out_inside_the_checkout_leaves_the_cuda_tests_passing(tmp_path, monkeypatch):
+def test_out_inside_the_checkout_exempts_the_sessions_own_files_alone(tmp_path, monkeypatch):
     # part 1 as on a GPU, where the CUDA tests run under the suite's check that no test writes into the repository,
-    # while this session writes its rows (and pytest its log) into --out: a copy of the checkout whose one CUDA test
-    # runs on the CPU (torch made to say it has a GPU), --out inside it
+    # while this session writes its rows (and pytest its log) into --out: a copy of the checkout whose CUDA tests
+    # run on the CPU (torch made to say it has a GPU), --out inside it. The session's files are left out of the
+    # check; a file a test writes into --out is not
     checkout = tmp_path / "checkout"
+    out = checkout / "out"
     shutil.copytree(os.path.join(ROOT, "tasks"), checkout / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
     os.makedirs(checkout / "tests")
     for name in ("grpo.py", "model.py", os.path.join("tests", "conftest.py")):
         shutil.copy(os.path.join(ROOT, name), checkout / name)
-    (checkout / "tests" / "test_on_the_gpu.py").write_text(textwrap.dedent("""
+    (checkout / "tests" / "test_on_the_gpu.py").write_text(textwrap.dedent(f"""
         import pytest
         import torch
 
         pytestmark = pytest.mark.cuda
-        torch.cuda.is_available = lambda: True  # the GPU's stand-in: the test runs, under the suite's checks
+        torch.cuda.is_available = lambda: True  # the GPU's stand-in: the tests run, under the suite's checks
 
 
         def test_a_cuda_test():
             assert torch.ones(3).sum().item() == 3
+
+
+        def test_a_cuda_test_that_writes_into_the_sessions_folder():
+            open({str(out / "stray.txt")!r}, "w").write("a test's write")
     """))
     monkeypatch.setattr(gpu_session, "ROOT", str(checkout))
     monkeypatch.setattr(gpu_session, "TESTS", str(checkout / "tests"))
-    gpu_session.main(["--smoke", "--out", str(checkout / "out"), "--parts", "1", "--shared", SHARED])
-    (session,), (row,) = rows_of(checkout / "out")
-    assert session["out_in_checkout"] and row["status"] == "ok", row
-    assert row["counts"] == {"passed": 1}, row  # no error from the check: the session's writes are not the test's
+    gpu_session.main(["--smoke", "--out", str(out), "--parts", "1", "--shared", SHARED])
+    (session,), (row,) = rows_of(out)
+    assert session["out_in_checkout"], row
+    # no error from the check for the session's own writes (results, pytest's log); the stray file's test fails it
+    assert row["counts"] == {"passed": 2, "error": 1}, row
+    assert row["failed"] == ["ERROR tests/test_on_the_gpu.py::test_a_cuda_test_that_writes_into_the_sessions_folder"]
+    assert "the test wrote into the repository (write under tmp_path instead): ['out/stray.txt']" in \
+        (out / "cuda_tests.log").read_text()
