@@ -63,6 +63,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -352,7 +353,7 @@ def begin(argv, started):
     if args.prepare:
         return early
     early.descriptor = claim_out(args.out)
-    early.id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{os.getpid()}"
+    early.id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
     early.existing = set(session_watchdog.descendants(os.getpid()))  # (in a test's process: the ones before it)
     child_subreaper(True)
     settings = dict(out=os.path.realpath(args.out), pid=os.getpid(), start=started,
