@@ -38,15 +38,22 @@ deadline; 3a, 6a and 6c wait for nothing.
 flash kernels through their strict stand-ins (tests/kernels.py), the main command in float32 with --self-check.
 
 The budget's clock starts with the process (before torch's import), so --budget-s counts the imports and CUDA's
-start too (STARTUP in the plan). A watchdog, a process of its own (tests/session_watchdog.py: it acts even where a
-hung call holds this process's interpreter), ends the session WATCHDOG_AFTER seconds past the budget (560 s for the
-default 540, 40 s before the device tool's 600 s limit): it kills it and its parts' process groups, and writes a
-row for each part it did not hear the end of and a line naming the part that was running. A second call gets
---budget-s of what the lend has left less 60 s (docs/performance.md).
+start too (STARTUP in the plan); more than 0 and at most 580 s, else refused in one line. Before torch's import,
+the arguments and --out are checked and a watchdog is started, a process of its own (tests/session_watchdog.py: it
+acts even where a hung call, torch's import or CUDA's start included, holds this process's interpreter): it ends
+the session WATCHDOG_AFTER seconds past the budget (560 s for the default 540, 40 s before the device tool's 600 s
+limit): it kills it, every process under it and its parts' process groups, and writes a row for each part it did
+not hear the end of and a line: the session ran past its budget, and the part that was running. A session that
+ends of itself tells it so ("bye") and then ends every process it started and those they left (it adopts them:
+Linux's child subreaper), with their groups; one killed without its bye is seen by the watchdog, which kills what
+it had started and writes one line saying it died. A second call, on the machine still warm (about 30 s after a
+call), gets --budget-s of what the lend has left less 60 s (docs/performance.md).
 
---out may be anywhere, inside the checkout too: part 1's tests are told to leave it out of their check that no test
-writes into the repository (NANOGRPO_SESSION_OUT, tests/conftest.py), since this process writes rows there beside
-them.
+--out may be anywhere, inside the checkout too, but not the checkout's root nor a folder git tracks, nor a folder
+holding files other than a session's (SESSION_FILES: a previous session's rows are appended to, each row with its
+session's id), nor one another session writes now (a lock): refused in one line before anything runs. Part 1's
+tests are told to leave the session's own files out of their check that no test writes into the repository
+(NANOGRPO_SESSION_FILES, tests/conftest.py), since this process writes rows there beside them.
 """
 import argparse
 import ctypes

@@ -13,11 +13,11 @@ a buffer of its own and split there (a buffered readline would hold a burst of t
 them), and whatever is in the pipe is read before each act. It acts in two cases:
 - at `at` (a time of time.monotonic, the same clock in every process): it stops the session and every process
   under it (SIGSTOP, so that none starts another), reads the last events, kills them all (SIGKILL: the parts'
-  process groups, their children left to init too, see end_tree), then writes into DIR's results what became of
-  each part it had not heard the end of, and a line: the session ran past its budget, and the part that ran;
+  process groups, what their children left: see end_tree), then writes into DIR's results what became of each part
+  it had not heard the end of, and a line: the session ran past its budget, and the part that was running;
 - the session gone without its "bye" (killed: its pid no longer this process's parent): it kills the processes the
-  session had started (as last seen, SNAPSHOT_EVERY) and the parts' groups, and writes one line saying the session
-  died, when, and in which part; the rows it wrote stay as they are.
+  session had started (as last seen: every SNAPSHOT_EVERY, and after each event) and the parts' groups, and writes
+  one line saying the session died, when, and in which part; the rows it wrote stay as they are.
 """
 import json
 import os
@@ -26,7 +26,8 @@ import signal
 import sys
 import time
 
-SNAPSHOT_EVERY = 0.2  # seconds between looks at the processes under the session (and at whether it lives)
+LOOK_EVERY = 0.2  # seconds between looks at whether the session lives
+SNAPSHOT_EVERY = 1.0  # and at the processes under it (a few ms of /proc), also after each event heard
 
 
 def append(path, text):
@@ -132,7 +133,7 @@ class Watch:
 
     def __init__(self, settings):
         self.settings, self.running, self.ended, self.groups, self.started = settings, {}, set(), set(), []
-        self.buffer, self.bye, self.closed = b"", False, False
+        self.buffer, self.bye, self.closed, self.heard = b"", False, False, False
         self.fd = sys.stdin.fileno()
 
     def take(self, data):
@@ -162,22 +163,22 @@ class Watch:
             if not data:  # the session's end of the pipe closed: after its "bye", or killed
                 self.closed = True
             self.take(data)
-            wait = 0
+            self.heard, wait = True, 0
 
     def session_alive(self):
         return os.getppid() == self.settings["pid"]  # still its child: once it dies, this process is adopted
 
 
 def main(settings):
-    watch, snapshot = Watch(settings), {}
+    watch, snapshot, looked = Watch(settings), {}, 0.0
     while True:
         left = settings["at"] - time.monotonic()
         if left <= 0:
             return past_budget(watch)
         if watch.closed:  # nothing more to read: the session's life alone to watch
-            time.sleep(min(left, SNAPSHOT_EVERY))
+            time.sleep(min(left, LOOK_EVERY))
         else:
-            watch.read(min(left, SNAPSHOT_EVERY))
+            watch.read(min(left, LOOK_EVERY))
         if watch.bye and watch.closed:
             return  # the session ended of itself, and ends what it started
         if not watch.session_alive():
@@ -185,8 +186,9 @@ def main(settings):
             if not watch.bye:
                 return died(watch, snapshot)
             return
-        snapshot = descendants(settings["pid"])
-        snapshot.pop(os.getpid(), None)
+        if watch.heard or time.monotonic() >= looked + SNAPSHOT_EVERY:
+            snapshot, looked, watch.heard = descendants(settings["pid"]), time.monotonic(), False
+            snapshot.pop(os.getpid(), None)
 
 
 def clock_of(settings):
