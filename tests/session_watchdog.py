@@ -142,7 +142,10 @@ class Watch:
         for line in lines:
             if not line.strip():
                 continue
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:  # not an event (nothing else writes here): passed over, the watch goes on
+                continue
             if "start" in event:
                 self.running[event["start"]] = (event["estimate"], time.monotonic())
                 self.started.append(event["start"])
