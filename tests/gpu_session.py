@@ -385,6 +385,12 @@ def end(early):
             except (OSError, ValueError):  # it had ended
                 print(f"note: the watchdog had ended (exit status {watchdog.poll()})", flush=True)
         watchdog.wait()
+    compile_workers = getattr(sys.modules.get("torch._inductor.async_compile"), "shutdown_compile_workers", None)
+    if compile_workers is not None:  # inductor's compile workers asked to end first (else its exit's own shutdown
+        # would write to the pipes of the killed ones, and warn), for at most STOP_GRACE: then killed with the rest
+        asked = threading.Thread(target=compile_workers, name="compile workers' end", daemon=True)
+        asked.start()
+        asked.join(STOP_GRACE)
     killed = session_watchdog.end_tree(os.getpid(), spare=early.existing)
     waited = time.monotonic() + 2
     for pid in killed:  # the ones this process adopted, or started and no one waits for: reaped
