@@ -54,19 +54,23 @@ def runs_on_the_cpu(request, monkeypatch):
 
 def repository_files():
     """path -> (mtime, size) of each file in the repository, but in Python's caches (__pycache__), hidden folders
-    (.git, .pytest_cache, pytest-benchmark's .benchmarks), virtual environments (pyvenv.cfg) and the GPU session's
-    --out ($NANOGRPO_SESSION_OUT: tests/gpu_session.py runs the CUDA tests while it writes its rows there, which may
-    be inside the repository): what a test may not change."""
-    found, session_out = {}, os.environ.get("NANOGRPO_SESSION_OUT")
-    session_out = os.path.realpath(session_out) if session_out else None
+    (.git, .pytest_cache, pytest-benchmark's .benchmarks), virtual environments (pyvenv.cfg) and the GPU session's own
+    files ($NANOGRPO_SESSION_FILES: tests/gpu_session.py runs the CUDA tests while it writes its rows, and pytest its
+    log, into its --out, which may be inside the repository; any other file a test writes there is seen): what a
+    test may not change."""
+    found = {}
+    session_files = {os.path.realpath(path) for path in
+                     os.environ.get("NANOGRPO_SESSION_FILES", "").split(os.pathsep) if path}
 
     def left_out(path):
         return os.path.basename(path).startswith(".") or os.path.basename(path) == "__pycache__" or \
-            os.path.isfile(os.path.join(path, "pyvenv.cfg")) or session_out and os.path.realpath(path) == session_out
+            os.path.isfile(os.path.join(path, "pyvenv.cfg"))
     for folder, subfolders, files in os.walk(ROOT):
         subfolders[:] = [name for name in subfolders if not left_out(os.path.join(folder, name))]
         for name in files:
             path = os.path.join(folder, name)
+            if session_files and os.path.realpath(path) in session_files:
+                continue
             try:
                 stat = os.stat(path)
             except FileNotFoundError:  # removed between the listing and now

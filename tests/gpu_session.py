@@ -38,19 +38,27 @@ deadline; 3a, 6a and 6c wait for nothing.
 flash kernels through their strict stand-ins (tests/kernels.py), the main command in float32 with --self-check.
 
 The budget's clock starts with the process (before torch's import), so --budget-s counts the imports and CUDA's
-start too (STARTUP in the plan). A watchdog, a process of its own (tests/session_watchdog.py: it acts even where a
-hung call holds this process's interpreter), ends the session WATCHDOG_AFTER seconds past the budget (560 s for the
-default 540, 40 s before the device tool's 600 s limit): it kills it and its parts' process groups, and writes a
-row for each part it did not hear the end of and a line naming the part that was running. A second call gets
---budget-s of what the lend has left less 60 s (docs/performance.md).
+start too (STARTUP in the plan); more than 0 and at most 580 s, else refused in one line. Before torch's import,
+the arguments and --out are checked and a watchdog is started, a process of its own (tests/session_watchdog.py: it
+acts even where a hung call, torch's import or CUDA's start included, holds this process's interpreter): it ends
+the session WATCHDOG_AFTER seconds past the budget (560 s for the default 540, 40 s before the device tool's 600 s
+limit): it kills it, every process under it and its parts' process groups, and writes a row for each part it did
+not hear the end of and a line: the session ran past its budget, and the part that was running. A session that
+ends of itself tells it so ("bye") and then ends every process it started and those they left (it adopts them:
+Linux's child subreaper), with their groups; one killed without its bye is seen by the watchdog, which kills what
+it had started and writes one line saying it died. A second call, on the machine still warm (about 30 s after a
+call), gets --budget-s of what the lend has left less 60 s (docs/performance.md).
 
---out may be anywhere, inside the checkout too: part 1's tests are told to leave it out of their check that no test
-writes into the repository (NANOGRPO_SESSION_OUT, tests/conftest.py), since this process writes rows there beside
-them.
+--out may be anywhere, inside the checkout too, but not the checkout's root nor a folder git tracks, nor a folder
+holding files other than a session's (SESSION_FILES: a previous session's rows are appended to, each row with its
+session's id), nor one another session writes now (a lock): refused in one line before anything runs. Part 1's
+tests are told to leave the session's own files out of their check that no test writes into the repository
+(NANOGRPO_SESSION_FILES, tests/conftest.py), since this process writes rows there beside them.
 """
 import argparse
 import ctypes
 import datetime
+import fcntl
 import json
 import os
 import re
@@ -62,6 +70,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -70,14 +79,7 @@ STARTED = time.monotonic()  # the budget's clock, before torch's import and the 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path[:0] = [ROOT, TESTS]
-import grpo  # noqa: E402, F401  (before torch: it bounds how long OpenMP's waiting threads spin, as in a run)
-import torch  # noqa: E402
-
-import bench_gpu  # noqa: E402
-import bench_vs_nanochat  # noqa: E402
-import model as model_module  # noqa: E402
-from bench_shared import stopping_at, timed  # noqa: E402
-from kernels import flash_on_the_cpu  # noqa: E402
+import session_watchdog  # noqa: E402  (the standard library alone)
 
 # What the device copy needs from ../shared, relative to it (--prepare lays out the same paths under its folder)
 GSM8K = os.path.join("data", "gsm8k")
@@ -156,9 +158,10 @@ def timeline(budget, smoke, parts=WHAT):
     return rows
 
 
-def print_plan(budget, smoke):
+def print_plan(budget, smoke, parts=WHAT):
+    """The parts chosen (--parts), each with its expected seconds, its deadline and when it would end."""
     sources = {part: source for part, *_, source in PLAN}
-    rows = timeline(budget, smoke)
+    rows = timeline(budget, smoke, parts)
     where = "on the CPU (--smoke)" if smoke else "on one H100 / H200"
     print(f"expected seconds a part {where}, budget {budget:.0f} s; the start-up {STARTUP[1 if smoke else 0]} s"
           f"{'' if smoke else ': ' + STARTUP[2]}")
@@ -187,7 +190,8 @@ def append(path, text):
 
 def record(s, part, status, seconds, summary, **numbers):
     row = dict(part=part, what=WHAT[part], status=status, seconds=round(seconds, 1), summary=summary,
-               clock_s=round(time.monotonic() - s.start, 1), **numbers)  # clock_s: the budget's clock at the end
+               clock_s=round(time.monotonic() - s.start, 1), session_id=s.id, **numbers)  # clock_s: the budget's
+    # clock at the end; session_id: the header's id (a folder holds the rows of each session that wrote there)
     with s.lock:  # the background parts' threads record too
         append(os.path.join(s.out, "results.jsonl"), json.dumps(row, default=str) + "\n")
         cells = (part, WHAT[part], status, summary.replace("|", "/").replace("\n", "; "), f"{seconds:.0f} s")
@@ -238,20 +242,199 @@ def source_commit(s):
     return open(path).read().strip() + " (as --prepare found it)" if os.path.isfile(path) else "unknown"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The start, before torch's import (the standard library only, milliseconds): the arguments and --out checked, the
+# watchdog started, so that a hang in torch's import or CUDA's start is under it too
+
+DEVICE_LIMIT = 600.0  # the device tool's limit on one command: a budget past DEVICE_LIMIT - WATCHDOG_AFTER is refused
+SESSION_FILES = ("results.jsonl", "results.md", "errors.log", "cuda_tests.log", "main_command.log", "session.log")
+# the files a session writes into --out (session.log: the documented command's `| tee`); a folder holding any other
+# is refused, and part 1's tests leave these alone out of their check that no test writes into the repository
+PR_SET_CHILD_SUBREAPER = 36  # Linux's prctl: the processes the session's children leave behind become its own
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block above it
+        self.exit(2, f"error: {message} (--help lists the options)\n")
+
+
+def budget_seconds(text):
+    """--budget-s: seconds, more than 0 and at most the device's limit less the watchdog's WATCHDOG_AFTER."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    most = DEVICE_LIMIT - WATCHDOG_AFTER
+    if not 0 < value <= most:  # nan and inf fail it too
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {most:.0f} (the watchdog ends the session "
+            f"{WATCHDOG_AFTER:.0f} s past the budget, before the device's {DEVICE_LIMIT:.0f} s limit)")
+    return value
+
+
+def arguments(argv):
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="the folder the results go to (results.jsonl, results.md, logs): empty, new, "
+                                      "or one a previous session wrote; not the checkout's root nor a folder git "
+                                      "tracks")
+    parser.add_argument("--budget-s", type=budget_seconds, default=540.0,
+                        help=f"seconds for the whole session (at most {DEVICE_LIMIT - WATCHDOG_AFTER:.0f})")
+    parser.add_argument("--parts", default=",".join(WHAT), help="comma-separated, of " + ", ".join(WHAT))
+    parser.add_argument("--shared", help="the folder holding data/gsm8k, fixtures/nanochat and peers/nanochat "
+                                         "(default: .gpu where --prepare made it, else ../shared; --prepare copies "
+                                         "from ../shared)")
+    parser.add_argument("--smoke", action="store_true", help="every part on the CPU at tiny shapes")
+    parser.add_argument("--plan", action="store_true", help="print the parts' expected seconds and exit")
+    parser.add_argument("--prepare", metavar="DIR", help="lay out the device copy's data under DIR and exit")
+    args = parser.parse_args(argv)
+    args.parts = args.parts.split(",")
+    unknown = [part for part in args.parts if part not in WHAT]
+    if unknown:
+        parser.error(f"no part {', '.join(unknown)}: the parts are {', '.join(WHAT)}")
+    if not (args.out or args.plan or args.prepare):
+        parser.error("--out DIR is needed (or --plan, or --prepare DIR)")
+    return args
+
+
+def refuse(out, why, do):
+    sys.exit(f"error: --out {out}: {why}: {do}")
+
+
+def claim_out(out):
+    """Checks --out, makes it, and locks it for this session (flock on the folder, held until the session's end) ->
+    the folder's descriptor. Refused in one line: a file; the checkout's root or a folder git tracks (whose files
+    the CUDA tests' check that nothing is written into the repository would see change); a folder holding files of
+    its own (a session's are SESSION_FILES: a previous session's rows are appended to); one that cannot be made or
+    written; one another session is writing."""
+    fresh = "pass a folder of its own (made if missing), e.g. --out /tmp/gpu-session, or runs/gpu-session in the " \
+            "checkout (git ignores runs/)"
+    if os.path.exists(out) and not os.path.isdir(out):
+        refuse(out, "is a file, not a folder", fresh)
+    real = os.path.realpath(out)
+    if real == os.path.realpath(ROOT):
+        refuse(out, "is the checkout's root", fresh)
+    if inside(real, ROOT) and os.path.isdir(real):
+        tracked = command_output(["git", "ls-files", "--", os.path.relpath(real, os.path.realpath(ROOT))])
+        if tracked:
+            refuse(out, f"is a folder git tracks ({len(tracked.splitlines())} files)", fresh)
+    if os.path.isdir(real):
+        others = sorted(name for name in os.listdir(real) if name not in SESSION_FILES)
+        if others:
+            refuse(out, f"holds files that are not a session's ({', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''})", "pass an empty folder, a new one, or one a previous "
+                                                                  "session wrote (its rows are kept, ours appended)")
+    try:
+        os.makedirs(real, exist_ok=True)
+        open(os.path.join(real, "results.md"), "a").close()
+        descriptor = os.open(real, os.O_RDONLY)
+    except OSError as e:
+        refuse(out, f"cannot be made or written ({e.strerror or e})", "pass a folder you can write, e.g. --out "
+                                                                      "/tmp/gpu-session")
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        refuse(out, "another session is writing there now", "wait for it, or pass another folder")
+    return descriptor
+
+
+def child_subreaper(on):
+    """Makes this process the one the processes its children leave behind (an orphan: `sh -c "x &"`) are given to,
+    rather than init, so that the session's end finds and ends them (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+    except (AttributeError, OSError):
+        pass
+
+
+def begin(argv, started):
+    """The session's start, before anything else (as a script: before torch's import): the arguments checked (--plan
+    printed), --out claimed, the watchdog started. -> what main goes on with (done: nothing more to do)."""
+    args = arguments(argv)
+    early = SimpleNamespace(args=args, done=False, watchdog=None, descriptor=None, started=started,
+                            lock=threading.Lock(), id=None, existing=set())
+    if args.plan:
+        print_plan(args.budget_s, args.smoke, args.parts)
+        early.done = True
+        return early
+    if args.prepare:
+        return early
+    early.descriptor = claim_out(args.out)
+    early.id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+    early.existing = set(session_watchdog.descendants(os.getpid()))  # (in a test's process: the ones before it)
+    child_subreaper(True)
+    settings = dict(out=os.path.realpath(args.out), pid=os.getpid(), start=started,
+                    at=started + args.budget_s + WATCHDOG_AFTER, budget_s=args.budget_s, id=early.id,
+                    parts=[(part, what) for part, what in WHAT.items() if part in args.parts])
+    # -I -S: the standard library alone, started in milliseconds
+    early.watchdog = subprocess.Popen([sys.executable, "-I", "-S", WATCHDOG, json.dumps(settings)],
+                                      stdin=subprocess.PIPE)
+    return early
+
+
+def end(early):
+    """The session's end, whatever ended it (but the watchdog): the watchdog told ("bye") and waited for; then every
+    process the session started, and those they left, ended with their process groups (a compile's workers, a
+    part's children: one holding the output open would keep a `| tee` waiting); --out unlocked."""
+    watchdog = early.watchdog
+    if watchdog is not None:
+        with early.lock:
+            try:
+                watchdog.stdin.write(b'{"bye": true}\n')
+                watchdog.stdin.close()
+            except (OSError, ValueError):  # it had ended
+                print(f"note: the watchdog had ended (exit status {watchdog.poll()})", flush=True)
+        watchdog.wait()
+    compile_workers = getattr(sys.modules.get("torch._inductor.async_compile"), "shutdown_compile_workers", None)
+    if compile_workers is not None:  # inductor's compile workers asked to end first (else its exit's own shutdown
+        # would write to the pipes of the killed ones, and warn), for at most STOP_GRACE: then killed with the rest
+        asked = threading.Thread(target=compile_workers, name="compile workers' end", daemon=True)
+        asked.start()
+        asked.join(STOP_GRACE)
+    killed = session_watchdog.end_tree(os.getpid(), spare=early.existing)
+    waited = time.monotonic() + 2
+    for pid in killed:  # the ones this process adopted, or started and no one waits for: reaped
+        while time.monotonic() < waited:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:  # not its child, or reaped (by its Popen)
+                break
+            time.sleep(0.01)
+    child_subreaper(False)
+    if early.descriptor is not None:
+        os.close(early.descriptor)  # (the lock with it)
+
+
+if __name__ == "__main__":
+    EARLY = begin(sys.argv[1:], STARTED)
+    if EARLY.done:
+        sys.exit(0)
+
+import grpo  # noqa: E402, F401  (before torch: it bounds how long OpenMP's waiting threads spin, as in a run)
+import torch  # noqa: E402
+
+import bench_gpu  # noqa: E402
+import bench_vs_nanochat  # noqa: E402
+import model as model_module  # noqa: E402
+from bench_shared import stopping_at, timed  # noqa: E402
+from kernels import flash_on_the_cpu  # noqa: E402
+
+
 def header(s):
     driver = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if s.cuda else "-"
-    info = dict(device=s.gpu.name, driver=driver or "unknown", torch=torch.__version__, cuda=torch.version.cuda,
-                commit=source_commit(s), budget_s=s.budget, watchdog_s=s.budget + WATCHDOG_AFTER, smoke=s.smoke,
-                out=os.path.abspath(s.out), out_in_checkout=inside(s.out, ROOT),
-                startup_s=round(time.monotonic() - s.start, 1),
+    info = dict(id=s.id, device=s.gpu.name, driver=driver or "unknown", torch=torch.__version__,
+                cuda=torch.version.cuda, commit=source_commit(s), budget_s=s.budget,
+                watchdog_s=s.budget + WATCHDOG_AFTER, smoke=s.smoke, out=os.path.abspath(s.out),
+                out_in_checkout=inside(s.out, ROOT), startup_s=round(time.monotonic() - s.start, 1),
                 started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with s.lock:
         append(os.path.join(s.out, "results.jsonl"), json.dumps(dict(session=info)) + "\n")
-        append(os.path.join(s.out, "results.md"), f"\n## GPU session, {info['started']}\n\n{info['device']}, driver "
-               f"{info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit {info['commit']}; budget "
-               f"{s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, CUDA), the watchdog at "
-               f"{info['watchdog_s']:.0f} s; each part stopped at {SMOKE_MARGIN if s.smoke else MARGIN:g}x its "
-               f"estimate; out {info['out']}"
+        append(os.path.join(s.out, "results.md"), f"\n## GPU session {s.id}, {info['started']}\n\n"
+               f"{info['device']}, driver {info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit "
+               f"{info['commit']}; budget {s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, "
+               f"CUDA), the watchdog at {info['watchdog_s']:.0f} s; each part stopped at "
+               f"{SMOKE_MARGIN if s.smoke else MARGIN:g}x its estimate; out {info['out']}"
                f"{' (inside the checkout)' if info['out_in_checkout'] else ''}"
                f"{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
                "seconds |\n| --- | --- | --- | --- | ---: |\n")
@@ -302,10 +485,12 @@ def cuda_test_files():
 def part_cuda_tests(s):
     # pytest's plugins found by their entry points stay out: the CUDA tests use none, and loading them (hypothesis)
     # costs seconds of a process that runs beside the timed parts' start
-    # NANOGRPO_SESSION_OUT: this process writes its rows into --out beside the tests, which the suite's check that no
-    # test writes into the repository must not count where --out is inside it (tests/conftest.py)
+    # NANOGRPO_SESSION_FILES: this process writes its rows (and pytest its log) into --out beside the tests; the
+    # suite's check that no test writes into the repository leaves these files alone out where --out is inside it
+    # (tests/conftest.py), and sees any other file a test writes there
     env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-               NANOGRPO_SESSION_OUT=os.path.abspath(s.out))
+               NANOGRPO_SESSION_FILES=os.pathsep.join(os.path.join(os.path.realpath(s.out), name)
+                                                      for name in SESSION_FILES))
     if s.smoke:  # the plumbing alone: the tests skip without a GPU (one thread: see part 2)
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     status, lines = run_logged(s, "1", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
@@ -472,10 +657,14 @@ def part_update(s):
         step = bench_gpu.training_step(g, ours, s.prompts, algo, s.cuda, ("tokens", s.tokens_per_pass),
                                        samples=s.samples)
         summary, numbers = step_numbers(step, sample_s if s.samples is not None else step["sample_s"])
-        if algo == "grpo":  # kept now, whatever becomes of reinforce's step
-            record(s, "4", "ok", time.monotonic() - begin, f"grpo: {summary}", algo=algo, **numbers)
+        numbers.update(algo=algo, algo_s=time.monotonic() - begin)  # its compile, warm-up and timed steps
+        if algo == "grpo":  # kept now, whatever becomes of reinforce's step; this row's seconds are grpo's alone
+            record(s, "4", "ok", numbers["algo_s"], f"grpo ({numbers['algo_s']:.0f} s, this row's seconds): "
+                   f"{summary}", **numbers)
     s.update_mfu = numbers["mfu"]
-    return dict(summary=f"reinforce: {summary}", algo="reinforce", **numbers)
+    # the part's last row: its seconds are the whole part's (the pass size's fit, grpo's, reinforce's)
+    return dict(summary=f"reinforce ({numbers['algo_s']:.0f} s; this row's seconds: the whole part, the pass size's "
+                        f"fit and grpo's included): {summary}", **numbers)
 
 
 def part_vs_chat_rl(s):
@@ -665,18 +854,10 @@ def wait_for(s, parts):
         time.sleep(TICK)
 
 
-def start_watchdog(s):
-    settings = dict(out=os.path.abspath(s.out), pid=os.getpid(), start=s.start, at=s.start + s.budget + WATCHDOG_AFTER,
-                    budget_s=s.budget, parts=[(part, what) for part, what in WHAT.items() if part in s.parts])
-    # -I -S: the standard library alone, started in milliseconds
-    s.watchdog = subprocess.Popen([sys.executable, "-I", "-S", WATCHDOG, json.dumps(settings)], stdin=subprocess.PIPE,
-                                  text=True)
-
-
 def tell_watchdog(s, **event):
     with s.lock:
         try:
-            s.watchdog.stdin.write(json.dumps(event) + "\n")
+            s.watchdog.stdin.write(json.dumps(event).encode() + b"\n")
             s.watchdog.stdin.flush()
         except (AttributeError, OSError, ValueError):  # none started (a test's session), or it is gone
             pass
@@ -749,57 +930,39 @@ def settings(args, started):
                            cuda=not smoke, device=gpu.device, gpu=gpu, vs=vs, modes=modes,
                            prompts=bench_gpu.random_prompts(gpu), engine_prompts=1 if smoke else 4,
                            start=started, lock=threading.Lock(), numbers={}, runs={}, finished=set(),
-                           left_behind=[], raised=None, watchdog=None, theirs=None, ours=None,
+                           left_behind=[], raised=None, watchdog=None, id=None, theirs=None, ours=None,
                            logits_apart=None, samples=None, real_samples=None, lengths=None, tokens_per_pass=None,
                            update_mfu=None)
 
 
-def main(argv=None, started=None):
-    """started: the budget clock's zero (the process's, run as a script; else now, the imports done before)."""
+def main(argv=None, started=None, early=None):
+    """started: the budget clock's zero (the process's, run as a script; else now, the imports done before). early:
+    begin's (run as a script, it ran before torch's import; else it runs now)."""
     started = time.monotonic() if started is None else started
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="the folder the results go to (results.jsonl, results.md, logs)")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole session")
-    parser.add_argument("--parts", default=",".join(WHAT), help="comma-separated, of " + ", ".join(WHAT))
-    parser.add_argument("--shared", help="the folder holding data/gsm8k, fixtures/nanochat and peers/nanochat "
-                                         "(default: .gpu where --prepare made it, else ../shared; --prepare copies "
-                                         "from ../shared)")
-    parser.add_argument("--smoke", action="store_true", help="every part on the CPU at tiny shapes")
-    parser.add_argument("--plan", action="store_true", help="print each part's expected seconds and exit")
-    parser.add_argument("--prepare", metavar="DIR", help="lay out the device copy's data under DIR and exit")
-    args = parser.parse_args(argv)
-    args.parts = args.parts.split(",")
-    unknown = [part for part in args.parts if part not in WHAT]
-    if unknown:
-        parser.error(f"no part {', '.join(unknown)}: the parts are {', '.join(WHAT)}")
-    if args.plan:
-        return print_plan(args.budget_s, args.smoke)
+    early = begin(argv, started) if early is None else early
+    args = early.args
+    if early.done:
+        return
     if args.prepare:
         return prepare(args.prepare, args.shared or SHARED)
     args.shared = args.shared or (PREPARED if os.path.isdir(PREPARED) else SHARED)
-    if not args.out:
-        parser.error("--out DIR is needed (or --plan, or --prepare DIR)")
-    os.makedirs(args.out, exist_ok=True)
-    if not args.smoke and not torch.cuda.is_available():  # in DIR too: the device call's $OUT says why it is empty
-        line = "error: gpu_session.py measures a CUDA GPU and torch finds none here: run it on one, or pass --smoke"
-        append(os.path.join(args.out, "results.md"), line + "\n")
-        sys.exit(line)
-    if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
-        torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
-    s = settings(args, started)
-    start_watchdog(s)
+    s = None
     try:
+        if not args.smoke and not torch.cuda.is_available():  # in DIR too: the device call's $OUT says why it is empty
+            line = "error: gpu_session.py measures a CUDA GPU and torch finds none here: run it on one, or pass --smoke"
+            append(os.path.join(args.out, "results.md"), line + "\n")
+            sys.exit(line)
+        if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
+            torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
+        s = settings(args, started)
+        s.lock, s.watchdog, s.id = early.lock, early.watchdog, early.id
         run_session(s)
-    finally:  # the watchdog's end (before a part's re-raised kill, too)
-        try:
-            s.watchdog.stdin.close()
-        except OSError:  # it had ended
-            print(f"note: the watchdog had ended (exit status {s.watchdog.poll()})", flush=True)
-        s.watchdog.wait()
+    finally:  # the watchdog told, what the session started ended (before a part's re-raised kill, too)
+        end(early)
     if s.left_behind:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
         print(f"the session ends here, leaving behind part {', '.join(s.left_behind)}", flush=True)
         os._exit(0)
 
 
 if __name__ == "__main__":
-    main(started=STARTED)
+    main(started=STARTED, early=EARLY)

@@ -2,9 +2,11 @@
 plan within 9 minutes, a session cut by its budget or killed keeping the rows it wrote, parts stopped at their
 deadlines and a session ended by its watchdog (stand-in parts on a small time scale), --out inside the checkout,
 the device copy's data."""
+import fcntl
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -265,34 +267,268 @@ def test_a_session_past_its_watchdog_is_ended_with_its_rows_and_the_running_part
                         r"not return\) and was left behind", rows[0]["summary"])
     assert re.fullmatch(r"stopped at 1 s \(estimate 0 s\): the watchdog ended the session at 2 s", rows[2]["summary"])
     assert rows[3]["summary"] == "not started: the watchdog ended the session at 2 s"
-    line = "the watchdog ended the session at 2 s, 0.5 s past its budget of 1.2 s, during part 4"
+    line = "the watchdog ended the session at 2 s: the session ran past its 1 s budget; part 4 was running"
     assert open(tmp_path / "results.md").read().endswith(f"\n{line}\n") and f"[watchdog] {line}" in done.stdout
     assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["running"] == ["4"]
 
 
-def test_out_inside_the_checkout_leaves_the_cuda_tests_passing(tmp_path, monkeypatch):
+def test_out_inside_the_checkout_exempts_the_sessions_own_files_alone(tmp_path, monkeypatch):
     # part 1 as on a GPU, where the CUDA tests run under the suite's check that no test writes into the repository,
-    # while this session writes its rows (and pytest its log) into --out: a copy of the checkout whose one CUDA test
-    # runs on the CPU (torch made to say it has a GPU), --out inside it
+    # while this session writes its rows (and pytest its log) into --out: a copy of the checkout whose CUDA tests
+    # run on the CPU (torch made to say it has a GPU), --out inside it. The session's files are left out of the
+    # check; a file a test writes into --out is not
     checkout = tmp_path / "checkout"
+    out = checkout / "out"
     shutil.copytree(os.path.join(ROOT, "tasks"), checkout / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
     os.makedirs(checkout / "tests")
     for name in ("grpo.py", "model.py", os.path.join("tests", "conftest.py")):
         shutil.copy(os.path.join(ROOT, name), checkout / name)
-    (checkout / "tests" / "test_on_the_gpu.py").write_text(textwrap.dedent("""
+    (checkout / "tests" / "test_on_the_gpu.py").write_text(textwrap.dedent(f"""
         import pytest
         import torch
 
         pytestmark = pytest.mark.cuda
-        torch.cuda.is_available = lambda: True  # the GPU's stand-in: the test runs, under the suite's checks
+        torch.cuda.is_available = lambda: True  # the GPU's stand-in: the tests run, under the suite's checks
 
 
         def test_a_cuda_test():
             assert torch.ones(3).sum().item() == 3
+
+
+        def test_a_cuda_test_that_writes_into_the_sessions_folder():
+            open({str(out / "stray.txt")!r}, "w").write("a test's write")
     """))
     monkeypatch.setattr(gpu_session, "ROOT", str(checkout))
     monkeypatch.setattr(gpu_session, "TESTS", str(checkout / "tests"))
-    gpu_session.main(["--smoke", "--out", str(checkout / "out"), "--parts", "1", "--shared", SHARED])
-    (session,), (row,) = rows_of(checkout / "out")
-    assert session["out_in_checkout"] and row["status"] == "ok", row
-    assert row["counts"] == {"passed": 1}, row  # no error from the check: the session's writes are not the test's
+    gpu_session.main(["--smoke", "--out", str(out), "--parts", "1", "--shared", SHARED])
+    (session,), (row,) = rows_of(out)
+    assert session["out_in_checkout"], row
+    # no error from the check for the session's own writes (results, pytest's log); the stray file's test fails it
+    assert row["counts"] == {"passed": 2, "error": 1}, row
+    assert row["failed"] == ["ERROR tests/test_on_the_gpu.py::test_a_cuda_test_that_writes_into_the_sessions_folder"]
+    assert "the test wrote into the repository (write under tmp_path instead): ['out/stray.txt']" in \
+        (out / "cuda_tests.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The watchdog's events, its start, the session's end, and what the session refuses (review of issue 81)
+
+TESTS = os.path.join(ROOT, "tests")
+WATCHDOG = os.path.join(TESTS, "session_watchdog.py")
+
+# A stand-in for the session (the standard library alone: milliseconds): two process groups of its own (parts 1 and
+# 2's), its watchdog, one row written, then every event in one write: 1 and 2 start with their groups, 3a starts and
+# ends, 3b starts. Then it hangs (the watchdog ends it past its budget) or kills itself (no "bye")
+STAND_IN = textwrap.dedent(f"""
+    import json, os, signal, subprocess, sys, time
+    out, how = sys.argv[1], sys.argv[2]
+    start = time.monotonic()
+    groups = [subprocess.Popen(["sleep", "30"], process_group=0, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) for _ in range(2)]
+    settings = dict(out=out, pid=os.getpid(), start=start, at=start + 1.5, budget_s=1.0, id="stand-in",
+                    parts=[("1", "one"), ("2", "two"), ("3a", "three a"), ("3b", "three b"), ("4", "four")])
+    watchdog = subprocess.Popen([sys.executable, "-I", "-S", {WATCHDOG!r}, json.dumps(settings)],
+                                stdin=subprocess.PIPE)
+    for name, text in (("results.md", "| 3a | three a | ok | ran | 0 s |\\n"),
+                       ("results.jsonl", json.dumps(dict(part="3a", status="ok")) + "\\n")):
+        open(os.path.join(out, name), "a").write(text)
+    print(json.dumps([group.pid for group in groups]), flush=True)
+    time.sleep(0.3)  # the watchdog waiting for its first event
+    events = [dict(start="1", estimate=1), dict(group=groups[0].pid), dict(start="2", estimate=1),
+              dict(group=groups[1].pid), dict(start="3a", estimate=0), dict(end="3a"), dict(start="3b", estimate=0)]
+    watchdog.stdin.write("".join(json.dumps(event) + "\\n" for event in events).encode())
+    watchdog.stdin.flush()
+    if how == "killed":
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+""")
+
+
+def stand_in_session(tmp_path, how):
+    """-> (the stand-in's exit status, its groups' pids, results.md's lines) once its watchdog has written."""
+    done = subprocess.run([sys.executable, "-c", STAND_IN, str(tmp_path), how], capture_output=True, text=True,
+                          timeout=15)
+    groups = json.loads(done.stdout.splitlines()[0])
+    for _ in range(300):  # the watchdog, adopted once the stand-in is killed, writes after it
+        if "watchdog" in open(tmp_path / "results.jsonl").read().splitlines()[-1]:
+            break
+        time.sleep(0.01)
+    for _ in range(100):
+        if not any(alive(pid) for pid in groups):
+            break
+        time.sleep(0.01)
+    return done, groups, open(tmp_path / "results.md").read().splitlines()
+
+
+def test_the_watchdog_acts_on_every_event_of_a_burst(tmp_path):
+    # events written together: a buffered readline took them all from the pipe and handed one over, select saw no
+    # more, and the watchdog named part 1 alone (1, 2 and 3b ran) and left parts 1 and 2's groups alive
+    done, groups, lines = stand_in_session(tmp_path, "hangs")
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert lines[0] == "| 3a | three a | ok | ran | 0 s |"
+    assert [line.split(" | ")[:3] for line in lines[1:5]] == [["| 1", "one", "stopped"], ["| 2", "two", "stopped"],
+                                                              ["| 3b", "three b", "stopped"],
+                                                              ["| 4", "four", "skipped"]]
+    assert lines[-1] == "the watchdog ended the session at 2 s: the session ran past its 1 s budget; part 1, 2, 3b " \
+                        "were running"
+    assert not any(alive(pid) for pid in groups)  # parts 1 and 2's groups killed
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert all(row.get("session_id", "stand-in") == "stand-in" for row in rows[1:-1]) and \
+        rows[-1]["watchdog"]["running"] == ["1", "2", "3b"]
+
+
+def test_a_session_killed_without_its_bye_is_said_to_have_died(tmp_path):
+    # a SIGKILLed session: the watchdog wrote nothing (the pipe's end read as the session's own), and left its
+    # parts' groups alive. Now: one line, the rows kept, the groups killed
+    done, groups, lines = stand_in_session(tmp_path, "killed")
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert len(lines) == 3, lines  # the row it wrote, and the watchdog's line after an empty one: no row added
+    assert lines[0] == "| 3a | three a | ok | ran | 0 s |" and lines[1] == ""
+    assert re.fullmatch(r"the session died at [01] s \(killed: it ended without its word of a normal end\); part 1, "
+                        r"2, 3b were running; the rows above are all it wrote", lines[2]), lines
+    assert not any(alive(pid) for pid in groups)
+    assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["ended"] == "died"
+
+
+def test_the_watchdog_covers_a_hang_before_torchs_import_ends(tmp_path):
+    # the session as the device runs it (its file run as __main__), torch's import hung (as CUDA's start may): the
+    # watchdog, started before it, ends the session at the budget + WATCHDOG_AFTER (made 0.5 s here)
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys, time
+        class Hung(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "torch":
+                    time.sleep(30)
+        sys.meta_path.insert(0, Hung())
+        path = {os.path.join(TESTS, "gpu_session.py")!r}
+        source = open(path).read()
+        assert "WATCHDOG_AFTER = 20.0" in source
+        sys.argv = [path, "--smoke", "--out", {str(tmp_path)!r}, "--parts", "3a,3b", "--budget-s", "1"]
+        exec(compile(source.replace("WATCHDOG_AFTER = 20.0", "WATCHDOG_AFTER = 0.5"), path, "exec"),
+             dict(__name__="__main__", __file__=path))
+    """)
+    begin = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("no watchdog ended the session hung in torch's import")
+    assert done.returncode == -9 and time.monotonic() - begin < 8, done.stderr[-2000:]
+    _, rows = rows_of(tmp_path)
+    assert [(row["part"], row["status"]) for row in rows] == [("3a", "skipped"), ("3b", "skipped")]
+    assert open(tmp_path / "results.md").read().endswith(
+        "the session ran past its 1 s budget; no part had started (the session was starting: its imports, CUDA's "
+        "start)\n")
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan", "0", "-5", "581"])
+def test_a_budget_the_device_cannot_hold_is_refused_in_one_line(tmp_path, capsys, budget):
+    with pytest.raises(SystemExit) as stop:
+        gpu_session.main(["--budget-s", budget, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: argument --budget-s: "), err
+    assert "at most 580" in err and not os.path.exists(tmp_path / "out")  # before anything ran
+
+
+def test_the_session_ends_the_processes_its_parts_started(tmp_path, monkeypatch):
+    # an in-process part's children (one in the session's group, one in a group of its own, one its child left
+    # behind) hold a pipe's writing end, as they would the session's output: its end kills them, so that a `| tee`
+    # (here: the pipe read to its end) does not wait on them; and a normal end says its "bye": no word from the
+    # watchdog
+    read, write = os.pipe()
+    orphan = tmp_path / "orphan"
+
+    def spawning(s):
+        subprocess.Popen(["sleep", "30"], stdout=write)
+        subprocess.Popen(["sleep", "30"], stdout=write, process_group=0)
+        subprocess.run(["sh", "-c", f"sleep 30 & echo $! > {orphan}"], stdout=write, check=True)
+        return dict(summary="started three")
+    monkeypatch.setitem(gpu_session.PARTS, "3a", spawning)
+    try:
+        gpu_session.main(["--smoke", "--out", str(tmp_path / "out"), "--parts", "3a", "--shared",
+                          str(tmp_path / "no")])
+        os.close(write)
+        assert select.select([read], [], [], 5)[0] and os.read(read, 1) == b"", \
+            "the pipe was held open past the session's end by the processes its part started"
+    finally:
+        os.close(read)
+    _, rows = rows_of(tmp_path / "out")
+    assert [(row["part"], row["status"]) for row in rows] == [("3a", "ok")]
+    assert open(tmp_path / "out" / "results.md").read().endswith(" |\n")  # the row last: no line from the watchdog
+    assert not alive(int(orphan.read_text()))
+
+
+def test_out_at_the_checkouts_root_or_in_a_tracked_folder_is_refused(tmp_path, monkeypatch):
+    checkout = tmp_path / "checkout"
+    os.makedirs(checkout / "tasks")
+    (checkout / "tasks" / "task.py").write_text("")
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run(["git", "add", "tasks"], cwd=checkout, check=True)
+    monkeypatch.setattr(gpu_session, "ROOT", str(checkout))
+    for out, why in ((checkout, "is the checkout's root"), (checkout / "tasks", "is a folder git tracks (1 files)")):
+        with pytest.raises(SystemExit) as stop:
+            gpu_session.main(["--smoke", "--parts", "6c", "--out", str(out), "--shared", str(tmp_path / "no")])
+        assert str(stop.value.code).startswith(f"error: --out {out}: {why}: pass a folder of its own"), stop.value
+        assert "\n" not in str(stop.value.code) and not os.path.exists(out / "results.md")
+
+
+def test_out_holding_other_files_or_in_use_is_refused_and_rows_carry_their_sessions_id(tmp_path):
+    other = tmp_path / "other"
+    os.makedirs(other)
+    (other / "notes.txt").write_text("mine")
+    argv = ["--smoke", "--parts", "6c", "--shared", str(tmp_path / "no"), "--out"]
+    with pytest.raises(SystemExit) as stop:
+        gpu_session.main(argv + [str(other)])
+    assert str(stop.value.code) == f"error: --out {other}: holds files that are not a session's (notes.txt): pass an " \
+                                   "empty folder, a new one, or one a previous session wrote (its rows are kept, " \
+                                   "ours appended)"
+    assert os.listdir(other) == ["notes.txt"]
+    out = tmp_path / "out"
+    for _ in range(2):  # a previous session's files: appended to, each row with its session's id
+        gpu_session.main(argv + [str(out)])
+    lines = [json.loads(line) for line in open(out / "results.jsonl")]
+    ids = [line["session"]["id"] for line in lines if "session" in line]
+    assert len(set(ids)) == 2 and [line.get("session_id") for line in lines if "part" in line] == ids
+    descriptor = os.open(out, os.O_RDONLY)  # a session writing there now
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as stop:
+            gpu_session.main(argv + [str(out)])
+    finally:
+        os.close(descriptor)
+    assert str(stop.value.code) == f"error: --out {out}: another session is writing there now: wait for it, or pass " \
+                                   "another folder"
+
+
+def test_out_that_is_a_file_or_cannot_be_written_is_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    for out, why in (("/etc/passwd", "is a file, not a folder"),
+                     (str(tmp_path / "file" / "sub"), "cannot be made or written (Not a directory)"),
+                     ("/sys/gpu-session", "cannot be made or written (Operation not permitted)")):
+        with pytest.raises(SystemExit) as stop:
+            gpu_session.main(["--smoke", "--parts", "6c", "--out", out])
+        line = str(stop.value.code)
+        assert line.startswith(f"error: --out {out}: {why}: pass a folder") and "\n" not in line, line
+
+
+def test_the_plan_shows_the_parts_chosen_alone(capsys):
+    gpu_session.main(["--plan", "--parts", "6a,6b,6d", "--budget-s", "120"])
+    out = capsys.readouterr().out
+    assert re.findall(r"\n  (\w+) +\d+ s \(stopped past +\d+ s\)", out) == ["6a", "6b", "6d"]
+    assert "planned: 6a, 6b, 6d, ending at 105 s; if time is left: none" in out
+    assert "the watchdog ends the session at 140 s" in out
+
+
+def test_part_4s_rows_say_what_their_seconds_are(tmp_path, monkeypatch):
+    step = dict(size=64, logprobs_s=0.1, update_s=0.2, compile_s=None, mfu=None, peak_gib=None, plan_gib=0.0,
+                micro_batches=1, kernels=[], sample_s=0.3)
+    monkeypatch.setattr(gpu_session, "models", lambda s: (None, None))
+    monkeypatch.setattr(gpu_session.bench_gpu, "fitted_sizes", lambda *a: (None, 64))
+    monkeypatch.setattr(gpu_session.bench_gpu, "training_step", lambda *a, **k: dict(step))
+    gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "4", "--shared", str(tmp_path / "no")])
+    _, (grpo_row, reinforce_row) = rows_of(tmp_path)
+    assert grpo_row["summary"].startswith("grpo (0 s, this row's seconds): 64 tokens a pass") and \
+        grpo_row["algo"] == "grpo" and abs(grpo_row["algo_s"] - grpo_row["seconds"]) <= 0.05
+    assert reinforce_row["summary"].startswith("reinforce (0 s; this row's seconds: the whole part, the pass size's "
+                                               "fit and grpo's included): 64 tokens a pass")
+    assert reinforce_row["algo"] == "reinforce" and reinforce_row["algo_s"] <= reinforce_row["seconds"] + 0.05
