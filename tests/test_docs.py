@@ -229,3 +229,15 @@ def test_a_flag_is_declared_once_with_its_role():
                                                    for e in node.value.elts)]
     assert not tables
     assert grpo.flags_with("sampling") == ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")
+
+
+def test_the_readmes_two_install_commands_give_the_plots_and_ci_installs_what_they_install():
+    # every output the README shows, curves.png and --compare's figure included, from its install block alone
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = text[text.index("## Install"):].split("```")[1]
+    installs = [line.split() for line in block.strip().splitlines()]
+    assert len(installs) <= 2 and all(words[:2] == ["pip", "install"] for words in installs)
+    packages = {word for words in installs for word in words[2:] if not word.startswith("-") and "://" not in word}
+    assert {"torch", "requirements.txt", "matplotlib", "pytest", "pytest-xdist"} <= packages
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert all(package in ci for package in packages - {"torch"})  # CI: the CPU torch it pins, and the rest
