@@ -332,6 +332,8 @@ class JSONLTask(Task):
         self.own_grader = None if grader in GRADERS else (grader, grader_function(grader))  # (--grader's spec, fn)
         self.paths = [path] + ([test_path] if test_path else [])
         problems = read_problems(path if split == "train" or not test_path else test_path, grader)
+        self.own_graders = sorted({p["grader"] for p in problems} - {grader})  # what the lines name instead
+        self.graded_by_flag = any(p["grader"] == grader for p in problems)
         if not test_path:
             if len(problems) < 2:
                 raise ValueError(f"{path} holds one problem: the evals hold out every {HELD_OUT_EVERY}th, so it "
@@ -347,7 +349,12 @@ class JSONLTask(Task):
         spec = spec or args.task
         if spec != args.task:  # a file only watched (--eval-task) is a quiz: all of it is its test split
             return cls(spec, split, args.grader, spec, args.calculator)
-        return cls(spec, split, args.grader, args.task_test, args.calculator)
+        task = cls(spec, split, args.grader, args.task_test, args.calculator)
+        if task.own_grader and split == "train" and not task.graded_by_flag:  # a silent run at reward 0 otherwise
+            raise ValueError(f"--grader {args.grader} grades no problem of {spec}: every line names its own grader "
+                             f"({', '.join(task.own_graders)}), which wins; drop those lines' \"grader\" to grade "
+                             "them with yours, or drop --grader")
+        return task
 
     @staticmethod
     def name(spec):

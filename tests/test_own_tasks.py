@@ -610,6 +610,25 @@ def test_a_grader_function_that_fails_stops_the_run_with_one_line(tmp_path, name
     assert not (tmp_path / "runs" / name).exists()
 
 
+def test_a_grader_function_that_grades_no_line_because_each_names_its_own_is_refused_in_one_line(tmp_path):
+    # every line of the file names a grader, which wins over --grader: the run would train on the lines' graders
+    # while its configuration names the user's; refused before any work, naming the lines' graders
+    rows = [dict(row, grader="exact" if i % 2 else "number") for i, row in enumerate(max_of_three(20))]
+    path = write_jsonl(tmp_path / "max3.jsonl", rows)
+    (tmp_path / "graders.py").write_text(FAILING_GRADERS)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(base_flags(tmp_path, "own", "--task", path, "--grader", f"{tmp_path / 'graders.py'}:raises"))
+    message = str(stop.value.code)
+    assert message == (f"error: --grader {tmp_path / 'graders.py'}:raises grades no problem of {path}: every line "
+                       "names its own grader (exact, number), which wins; drop those lines' \"grader\" to grade "
+                       "them with yours, or drop --grader")
+    rows[3].pop("grader")  # one line left to it: it trains
+    write_jsonl(tmp_path / "max3.jsonl", rows)
+    task = grpo.build(path, "train", grpo.resolve_config(["--demo", "--task", path, "--grader",
+                                                          f"{tmp_path / 'graders.py'}:raises"]))
+    assert task.graded_by_flag
+
+
 NUMPY_GRADERS = """
 import numpy as np
 
