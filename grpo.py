@@ -1906,12 +1906,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows a flag's own default where its help does not say it (the algorithm flags' come from --algo)."""
 
     def _get_help_string(self, action):
-        text = action.help or ""
         # `is`, not `in`: 0 == False, and a default of 0 is a default to show
         shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-        if action.option_strings and shown and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
+        text = action.help or ""
+        return text + " (default: %(default)s)" if action.option_strings and shown and "default" not in text else text
 
 
 # A flag's role, besides shaping the weights' trajectory (what --resume refuses to change), declared with it:
@@ -1937,10 +1935,6 @@ def declare(group):
 
 def flags_with(role):
     return tuple(dest for dest, roles in ROLES.items() if role in roles)
-
-
-def one_process(args):
-    return int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
@@ -2170,10 +2164,10 @@ arg("--self-check", action=argparse.BooleanOptionalAction, help="before the firs
     "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)",
     role="observes machine")
 arg("--dist-timeout", type=at_least(1), default=600, help="seconds a rank waits for the others before the run stops",
-    role="observes machine", idle=[(one_process, "there is one process")])
-arg("--shard-optimizer", action=argparse.BooleanOptionalAction, role="spread", help="several processes: each rank "
-    "keeps and updates the optimizer state of its share of the weights, the others get the new weights from it "
-    "(default: on with several processes)", idle=[(one_process, "one process holds every weight")])
+    role="observes machine", idle=[(lambda a: launched()[1] == 1, "there is one process")])
+arg("--shard-optimizer", action=argparse.BooleanOptionalAction, help="several processes: each rank keeps and "
+    "updates the optimizer state of its share of the weights, the others get the new weights from it (default: on "
+    "with several processes)", role="spread", idle=[(lambda a: launched()[1] == 1, "one process holds every weight")])
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -2297,9 +2291,8 @@ def resolve_config(argv=None):
     # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
     filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
                and PRESETS[args.algo][f]]
-    for name in filters:
-        setattr(args, name, False)
     if filters:
+        vars(args).update(dict.fromkeys(filters, False))
         args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
                           "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
                           "(give the flag to keep it)")
@@ -2310,37 +2303,31 @@ def resolve_config(argv=None):
         args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
                           f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
                           "keeps it")
-    if args.reward_weights is None:
-        args.reward_weights = {task.reward_terms[0]: 1.0}
-    if args.lora_alpha is None:
-        args.lora_alpha = 2.0 * args.lora_rank
-    if args.shard_optimizer is None:
-        args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    fill_unset(args, dict(reward_weights={task.reward_terms[0]: 1.0}, lora_alpha=2.0 * args.lora_rank,
+                          shard_optimizer=launched()[1] > 1))
     if not on_gpu(args):  # on a GPU the memory plan fits them (fitted_plan); packed passes have rows only when asked
-        if args.pack and args.tokens_per_pass is None:
-            args.tokens_per_pass = 4096
-        if not args.pack and args.device_batch_size is None:
-            args.device_batch_size = 8
+        fill_unset(args, dict(tokens_per_pass=4096) if args.pack else dict(device_batch_size=8))
     check_config(args)
     return args
+
+
+def fill_unset(args, values):
+    """Set each flag that is still None (neither given nor set yet) to its value here."""
+    for key, value in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def apply_preset(args):
     """--algo's values for the flags not given, and the defaults that follow from other flags -> whether the demo's
     entropy bonus was set (by the advantages' scale: GDPO's are z-scored)."""
-    for key, value in PRESETS[args.algo].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     demo_bonus = args.entropy_coef is None
-    if demo_bonus:
-        args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
-                                              args.advantage]
-    if args.clip_eps_high is None:
-        args.clip_eps_high = args.clip_eps
-    if args.aggregation == "nanochat" and args.pass_size is None:
-        args.pass_size = 8  # nanochat's RL script's default device batch size
-    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
-        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    fill_unset(args, PRESETS[args.algo])
+    fill_unset(args, dict(entropy_coef=DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum"
+                                                         else args.advantage], clip_eps_high=args.clip_eps,
+                          pass_size=8 if args.aggregation == "nanochat" else None,  # nanochat's RL script's default
+                          # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
+                          overlong_buffer=args.max_new_tokens // 5 if args.algo == "dapo" else 0))
     return demo_bonus
 
 
@@ -2353,7 +2340,10 @@ def check_config(args):
 
 def value_problems(args):
     """check_config's checks of one flag's value that its type cannot make -> [(bad, message)]."""
-    lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
+    lrs = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr")
+    not_finite = [f"--{k.replace('_', '-')}" for k in lrs + ("weight_decay", "grad_clip", "clip_eps", "clip_eps_high",
+                "sapo_tau_pos", "sapo_tau_neg", "kl_coef", "entropy_coef", "temperature", "min_lr_frac", "lora_alpha")
+                if not math.isfinite(getattr(args, k))]
     return [
         (args.top_k < 0, "--top-k must be >= 0"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
@@ -2365,15 +2355,11 @@ def value_problems(args):
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
         (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
-        (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.sapo_tau_pos, args.sapo_tau_neg, args.kl_coef, args.entropy_coef,
-                                           args.temperature, args.min_lr_frac, args.lora_alpha))),
-         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
-         "--min-lr-frac and --lora-alpha must be finite numbers"),
+        (not_finite, f"{', '.join(not_finite)} must be finite"),
         (args.temperature < 0.1, f"--temperature {args.temperature} is (near) greedy: the replies of a group would "
          "be (nearly) all the same, with nothing to compare; use >= 0.1"),  # 0.1: a logit lead of 1 is a ratio of e^10
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
-        (min(lrs) <= 0,
+        (min(getattr(args, k) for k in lrs) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
         (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
     ]
@@ -2381,7 +2367,7 @@ def value_problems(args):
 
 def combination_problems(args):
     """check_config's checks of flags that do not go together -> [(bad, message)]."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched()[1]
     # the flag the user gave: the preset's own coefficient, or --distill-coef
     distilling = ("--algo distill" if args.algo == "distill" and args.distill_coef == PRESETS["distill"]["distill_coef"]
                   else f"--distill-coef {args.distill_coef:g}")
