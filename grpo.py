@@ -2033,8 +2033,7 @@ arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: to
     "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated")
 arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
     "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
-arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)",
-    role="sampling evaluated")
+arg("--temperature", type=float, default=1.0, help="sampling and log-prob temperature", role="sampling evaluated")
 arg("--top-k", type=int, default=50, role="sampling evaluated", help="sample from the k likeliest tokens (0: all)")
 arg("--sample-batch-size", type=at_least(1), help="replies sampled per generate call, in whole groups: memory only, "
     "the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)", role="spread")
@@ -2053,14 +2052,11 @@ arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUO
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size",
     idle=[(lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
            "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")])
-arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices",
-    role="step-size", idle=[NOT_MUON])
-arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding",
-    role="step-size", idle=[NOT_MUON])
-arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head",
-    role="step-size", idle=[NOT_MUON])
-arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this",
-    role="step-size", idle=[NOT_MUON])
+for flag, default, what in (("--matrix-lr", 0.02, "learning rate of the block matrices"),
+                            ("--embedding-lr", 0.2, "AdamW learning rate of the embedding"),
+                            ("--unembedding-lr", 0.004, "AdamW learning rate of the lm head"),
+                            ("--init-lr-frac", 0.05, "every learning rate is scaled by this")):
+    arg(flag, type=float, default=default, help=f"muon: {what}", role="step-size", idle=[NOT_MUON])
 arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay (muon: on AdamW in v1, as cautious decay "
     "on Muon from v2, as nanochat's RL script passes it)")
 arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)", role="step-size")
@@ -2129,8 +2125,7 @@ arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
     "512)", role="observes evaluated", idle=[NO_EVALS])
 arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
-arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)",
-    role="observes")
+arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints, and one at the end", role="observes")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
     role="observes")
 arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
@@ -2180,20 +2175,14 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
 PRESETS["grpo"] = dict(PRESETS["reinforce"], advantage="zscore", aggregation="sequence", ppo_epochs=2, kl_coef=0.04)
 PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")  # RLOO (Ahmadian et al. 2024): leave-one-out
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
-# DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
-PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
-                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)
-# GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
+PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher
+                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)  # overlong filtering
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
-                       clip_eps_high=4e-4, kl_coef=0.0)
-# CISPO (MiniMax-M1): the weight clipped and detached, token-level mean, no KL; no lower bound, a cap of 1.28 (why:
-# docs/algorithm.md)
+                       clip_eps_high=4e-4, kl_coef=0.0)  # GSPO: one ratio per reply, clipped to a very narrow range
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
-                        kl_coef=0.0)
-# SAPO (Qwen): a smooth gate instead of the clip (temperatures 1.0 / 1.05), GRPO's per-reply mean as the paper's, no KL
-PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
-# On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution at each position of the student's
-# replies is the whole signal, no KL, the mean over tokens; two optimizer steps a sampled batch (docs/demo.md)
+                        kl_coef=0.0)  # CISPO (MiniMax-M1): no lower bound, a cap of 1.28 (why: docs/algorithm.md)
+PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)  # SAPO (Qwen): the paper's per-reply mean
+# On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution is the whole signal (docs/demo.md)
 PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0,
                           distill_divergence="forward", ppo_epochs=2)
 
@@ -2225,9 +2214,9 @@ def on_gpu(args):
 
 
 def evaluated_run(args, given):
-    """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
-    checkpoints'): the flags not given take the run's values from its config.json, the "evaluated" ones with --init,
-    all but "spread" and "machine" with --resume -> (the config.json, {flag: (the run's, given)} where they differ)."""
+    """--ask/--eval-only of this program's checkpoint (--resume, or --init naming its run or checkpoints): flags not
+    given take its run's config.json values ("evaluated" ones; with --resume, all but "spread" and "machine") ->
+    (the config.json, {flag: (the run's, given)} where they differ)."""
     if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
         return None
     if args.resume:
