@@ -1970,9 +1970,8 @@ arg("--num-minibatches", type=at_least(1), help="optimizer steps per pass over t
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="PPO's clipped ratio x A; CISPO's -sg(clip(rho)) A log pi "
     "(the weight clipped, every token keeps a gradient); SAPO's smooth gate -(4 / tau) sigmoid(tau (rho - 1)) A")
-arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0", idle=[SAPO_ONLY])
-arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)",
-    idle=[SAPO_ONLY])
+arg("--sapo-tau-pos", type=float, help="SAPO's gate temperature where A > 0 (--policy-loss sapo)", idle=[SAPO_ONLY])
+arg("--sapo-tau-neg", type=float, help="SAPO's gate temperature where A < 0 (larger: faster decay)", idle=[SAPO_ONLY])
 arg("--clip-eps", type=float, idle=[NO_CLIP, RATIO_ONE], help="lower ratio clip: rho >= 1 - eps (cispo: the weight's)")
 arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo: the weight's; default: --clip-eps)",
     idle=[NO_CLIP, RATIO_ONE])
@@ -1981,13 +1980,11 @@ arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no re
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
     "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the KL in the reward is each "
                                                "reply's summed k1 (--kl-placement reward)")])
-arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
-    "or beta x each reply's summed k1 subtracted from its reward before the advantages; there an all-equal group's "
-    "advantages are its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), scaled to unit "
-    "std (zscore)", idle=[NO_KL])
-arg("--ref-dtype", choices=["float32", "bfloat16"],
-    help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)",
-    idle=[(lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")])
+arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL in the loss (DeepSeekMath), or beta "
+    "x each reply's summed k1 taken from its reward before the advantages; there an all-equal group's advantages are "
+    "its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), unit std (zscore)", idle=[NO_KL])
+arg("--ref-dtype", choices=["float32", "bfloat16"], help="reference matrices (default: the compute dtype; bfloat16 "
+    "needs --dtype bfloat16)", idle=[(lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")])
 arg("--ref-offload", action="store_true", role="spread",
     help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step",
     idle=[(lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU")])
@@ -1999,9 +1996,8 @@ arg("--distill-divergence", choices=["sampled", "forward"], help="--distill-coef
     "log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
     "for the rest, a loss term", idle=[(lambda a: not a.distill_coef, "no teacher term (--distill-coef)")])
-arg("--distill-top-k", type=at_least(1), default=64, help="--distill-divergence forward: the teacher's tokens a "
-    "position (all of them when the vocabulary is smaller)",
-    idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
+arg("--distill-top-k", type=at_least(1), default=64, help="forward KL: the teacher's tokens a position (all for a "
+    "smaller vocabulary)", idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
 arg("--teacher", metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint folder, or a run "
     "folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
 arg("--teacher-step", type=at_least(0), help="--teacher: its checkpoint step (default: the largest)", role="teacher",
@@ -2046,9 +2042,8 @@ arg = declare(parser.add_argument_group("optimizer (shared by all presets)"))
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
     "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW",
     idle=[(lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr")])
-arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUON],
-    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; a checkpoint of this "
-    "program: the one it trained with; from scratch: v5)")
+arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUON], help="muon: nanochat's optimizer "
+    "version (default: the checkpoint generation's; this program's checkpoint: the one it trained with; scratch: v5)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size",
     idle=[(lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
            "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")])
@@ -2117,9 +2112,8 @@ arg("--eval-only", action="store_true", help="evaluate the start policy on --fin
     "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
     "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
     "task and sampling settings (its config.json), but for the flags given")
-arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
-    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
-    "run's settings as --eval-only does")
+arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and --num-samples "
+    "sampled), graded if it is a task problem, then exit; writes nothing; reads a run's settings as --eval-only does")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)",
     role="observes evaluated", idle=[NO_EVALS, (lambda a: a.ask, "--ask samples --num-samples replies")])
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
