@@ -2308,7 +2308,7 @@ def apply_preset(args):
     fill_unset(args, PRESETS[args.algo])
     fill_unset(args, dict(entropy_coef=DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum"
                                                          else args.advantage], clip_eps_high=args.clip_eps,
-                          pass_size=8 if args.aggregation == "nanochat" else None,  # nanochat's RL script's default
+                          pass_size=8 if args.aggregation == "nanochat" else None,  # nanochat RL's default device batch
                           # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
                           overlong_buffer=args.max_new_tokens // 5 if args.algo == "dapo" else 0))
     return demo_bonus
