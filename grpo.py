@@ -1906,12 +1906,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help shows a flag's own default where its help does not say it (the algorithm flags' come from --algo)."""
 
     def _get_help_string(self, action):
-        text = action.help or ""
         # `is`, not `in`: 0 == False, and a default of 0 is a default to show
         shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-        if action.option_strings and shown and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
+        text = action.help or ""
+        return text + " (default: %(default)s)" if action.option_strings and shown and "default" not in text else text
 
 
 # A flag's role, besides shaping the weights' trajectory (what --resume refuses to change), declared with it:
@@ -1937,10 +1935,6 @@ def declare(group):
 
 def flags_with(role):
     return tuple(dest for dest, roles in ROLES.items() if role in roles)
-
-
-def one_process(args):
-    return int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
@@ -1976,9 +1970,8 @@ arg("--num-minibatches", type=at_least(1), help="optimizer steps per pass over t
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="PPO's clipped ratio x A; CISPO's -sg(clip(rho)) A log pi "
     "(the weight clipped, every token keeps a gradient); SAPO's smooth gate -(4 / tau) sigmoid(tau (rho - 1)) A")
-arg("--sapo-tau-pos", type=float, help="--policy-loss sapo: the gate's temperature where A > 0", idle=[SAPO_ONLY])
-arg("--sapo-tau-neg", type=float, help="--policy-loss sapo: the gate's temperature where A < 0 (larger: faster decay)",
-    idle=[SAPO_ONLY])
+arg("--sapo-tau-pos", type=float, help="SAPO's gate temperature where A > 0 (--policy-loss sapo)", idle=[SAPO_ONLY])
+arg("--sapo-tau-neg", type=float, help="SAPO's gate temperature where A < 0 (larger: faster decay)", idle=[SAPO_ONLY])
 arg("--clip-eps", type=float, idle=[NO_CLIP, RATIO_ONE], help="lower ratio clip: rho >= 1 - eps (cispo: the weight's)")
 arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo: the weight's; default: --clip-eps)",
     idle=[NO_CLIP, RATIO_ONE])
@@ -1987,13 +1980,11 @@ arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no re
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
     "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the KL in the reward is each "
                                                "reply's summed k1 (--kl-placement reward)")])
-arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL added to the loss (DeepSeekMath), "
-    "or beta x each reply's summed k1 subtracted from its reward before the advantages; there an all-equal group's "
-    "advantages are its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), scaled to unit "
-    "std (zscore)", idle=[NO_KL])
-arg("--ref-dtype", choices=["float32", "bfloat16"],
-    help="the reference model's matrices (default: the compute dtype; bfloat16 needs --dtype bfloat16)",
-    idle=[(lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")])
+arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL in the loss (DeepSeekMath), or beta "
+    "x each reply's summed k1 taken from its reward before the advantages; there an all-equal group's advantages are "
+    "its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), unit std (zscore)", idle=[NO_KL])
+arg("--ref-dtype", choices=["float32", "bfloat16"], help="reference matrices (default: the compute dtype; bfloat16 "
+    "needs --dtype bfloat16)", idle=[(lambda a: not a.kl_coef, "no reference model without a KL term (--kl-coef)")])
 arg("--ref-offload", action="store_true", role="spread",
     help="keep the reference model in (pinned) CPU memory, on the GPU only for its log-probs once a step",
     idle=[(lambda a: not on_gpu(a), "it moves the reference off a GPU, and the run is on the CPU")])
@@ -2005,9 +1996,8 @@ arg("--distill-divergence", choices=["sampled", "forward"], help="--distill-coef
     "log-ratio of each sampled token as its advantage (the reverse KL, one sample a position); "
     "forward: KL(pi_teacher || pi_theta) at each position over the teacher's --distill-top-k tokens and one bucket "
     "for the rest, a loss term", idle=[(lambda a: not a.distill_coef, "no teacher term (--distill-coef)")])
-arg("--distill-top-k", type=at_least(1), default=64, help="--distill-divergence forward: the teacher's tokens a "
-    "position (all of them when the vocabulary is smaller)",
-    idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
+arg("--distill-top-k", type=at_least(1), default=64, help="forward KL: the teacher's tokens a position (all for a "
+    "smaller vocabulary)", idle=[(lambda a: a.distill_divergence != "forward", "it is --distill-divergence forward's")])
 arg("--teacher", metavar="DIR", help="the frozen teacher of --distill-coef: a nanochat checkpoint folder, or a run "
     "folder of this program, of any generation and depth, with the policy's tokenizer", role="teacher")
 arg("--teacher-step", type=at_least(0), help="--teacher: its checkpoint step (default: the largest)", role="teacher",
@@ -2039,8 +2029,7 @@ arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: to
     "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated")
 arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
     "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
-arg("--temperature", type=float, default=1.0, help="sampling temperature (the log-probs use the same)",
-    role="sampling evaluated")
+arg("--temperature", type=float, default=1.0, help="sampling and log-prob temperature", role="sampling evaluated")
 arg("--top-k", type=int, default=50, role="sampling evaluated", help="sample from the k likeliest tokens (0: all)")
 arg("--sample-batch-size", type=at_least(1), help="replies sampled per generate call, in whole groups: memory only, "
     "the same replies (default: on a GPU as many as its free memory holds, else the rank's whole step)", role="spread")
@@ -2053,20 +2042,16 @@ arg = declare(parser.add_argument_group("optimizer (shared by all presets)"))
 arg("--optimizer", default="muon", choices=["muon", "adamw"], help="muon: nanochat's Muon + AdamW as its RL script "
     "builds it (groups, learning rates, betas, decays; tested against nanochat's steps); adamw: one AdamW",
     idle=[(lambda a: a.lora_rank, "the adapters train with AdamW at --lora-lr")])
-arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUON],
-    help="muon: nanochat's optimizer of this version (default: the checkpoint generation's; a checkpoint of this "
-    "program: the one it trained with; from scratch: v5)")
+arg("--optimizer-version", choices=["v1", "v2", "v3", "v4", "v5"], idle=[NOT_MUON], help="muon: nanochat's optimizer "
+    "version (default: the checkpoint generation's; this program's checkpoint: the one it trained with; scratch: v5)")
 arg("--lr", type=float, default=1e-5, help="--optimizer adamw: learning rate", role="step-size",
     idle=[(lambda a: a.lora_rank or a.optimizer == "muon", "it is --optimizer adamw's (muon: --matrix-lr, "
            "--embedding-lr, --unembedding-lr, all times --init-lr-frac; LoRA: --lora-lr)")])
-arg("--matrix-lr", type=float, default=0.02, help="muon: learning rate of the block matrices",
-    role="step-size", idle=[NOT_MUON])
-arg("--embedding-lr", type=float, default=0.2, help="muon: AdamW learning rate of the embedding",
-    role="step-size", idle=[NOT_MUON])
-arg("--unembedding-lr", type=float, default=0.004, help="muon: AdamW learning rate of the lm head",
-    role="step-size", idle=[NOT_MUON])
-arg("--init-lr-frac", type=float, default=0.05, help="muon: every learning rate is scaled by this",
-    role="step-size", idle=[NOT_MUON])
+for flag, default, what in (("--matrix-lr", 0.02, "learning rate of the block matrices"),
+                            ("--embedding-lr", 0.2, "AdamW learning rate of the embedding"),
+                            ("--unembedding-lr", 0.004, "AdamW learning rate of the lm head"),
+                            ("--init-lr-frac", 0.05, "every learning rate is scaled by this")):
+    arg(flag, type=float, default=default, help=f"muon: {what}", role="step-size", idle=[NOT_MUON])
 arg("--weight-decay", type=float, default=0.0, help="decoupled weight decay (muon: on AdamW in v1, as cautious decay "
     "on Muon from v2, as nanochat's RL script passes it)")
 arg("--grad-clip", type=float, default=0.0, help="clip the gradient's global norm to this (0: off)", role="step-size")
@@ -2127,16 +2112,14 @@ arg("--eval-only", action="store_true", help="evaluate the start policy on --fin
     "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
     "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
     "task and sampling settings (its config.json), but for the flags given")
-arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and "
-    "--num-samples sampled), graded when it is one of the task's problems, then exit; writes nothing. Reads a "
-    "run's settings as --eval-only does")
+arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and --num-samples "
+    "sampled), graded if it is a task problem, then exit; writes nothing; reads a run's settings as --eval-only does")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)",
     role="observes evaluated", idle=[NO_EVALS, (lambda a: a.ask, "--ask samples --num-samples replies")])
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
     "512)", role="observes evaluated", idle=[NO_EVALS])
 arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
-arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints (the last step is always saved)",
-    role="observes")
+arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints, and one at the end", role="observes")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
     role="observes")
 arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help="a stop signal (Ctrl-C, a scheduler's "
@@ -2170,10 +2153,10 @@ arg("--self-check", action=argparse.BooleanOptionalAction, help="before the firs
     "top-k) with the plain one on a few real rows, and stop if they differ beyond rounding (default: on with CUDA)",
     role="observes machine")
 arg("--dist-timeout", type=at_least(1), default=600, help="seconds a rank waits for the others before the run stops",
-    role="observes machine", idle=[(one_process, "there is one process")])
-arg("--shard-optimizer", action=argparse.BooleanOptionalAction, role="spread", help="several processes: each rank "
-    "keeps and updates the optimizer state of its share of the weights, the others get the new weights from it "
-    "(default: on with several processes)", idle=[(one_process, "one process holds every weight")])
+    role="observes machine", idle=[(lambda a: launched()[1] == 1, "there is one process")])
+arg("--shard-optimizer", action=argparse.BooleanOptionalAction, help="several processes: each rank keeps and "
+    "updates the optimizer state of its share of the weights, the others get the new weights from it (default: on "
+    "with several processes)", role="spread", idle=[(lambda a: launched()[1] == 1, "one process holds every weight")])
 
 PRESETS = {  # only the algorithm flags; everything else is shared, so a comparison changes only the algorithm
     # nanochat's simplified REINFORCE: on-policy, r - mean(r), its per-pass token mean, no ratio in effect, no KL
@@ -2186,20 +2169,14 @@ PRESETS = {  # only the algorithm flags; everything else is shared, so a compari
 PRESETS["grpo"] = dict(PRESETS["reinforce"], advantage="zscore", aggregation="sequence", ppo_epochs=2, kl_coef=0.04)
 PRESETS["rloo"] = dict(PRESETS["reinforce"], advantage="rloo")  # RLOO (Ahmadian et al. 2024): leave-one-out
 PRESETS["dr_grpo"] = dict(PRESETS["grpo"], advantage="mean", aggregation="constant", kl_coef=0.0)  # no length/std bias
-# DAPO: clip-higher, token-level mean, no KL, equal groups left out, overlong filtering, dynamic sampling
-PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,
-                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)
-# GSPO: one ratio per reply, clipped to a very narrow range; each sampled batch split into 4 minibatches, one pass
+PRESETS["dapo"] = dict(PRESETS["grpo"], aggregation="token", clip_eps_high=0.28, kl_coef=0.0,  # DAPO: clip-higher
+                       drop_equal_groups=True, mask_truncated=True, dynamic_sampling=True)  # overlong filtering
 PRESETS["gspo"] = dict(PRESETS["grpo"], ratio_level="sequence", ppo_epochs=1, num_minibatches=4, clip_eps=3e-4,
-                       clip_eps_high=4e-4, kl_coef=0.0)
-# CISPO (MiniMax-M1): the weight clipped and detached, token-level mean, no KL; no lower bound, a cap of 1.28 (why:
-# docs/algorithm.md)
+                       clip_eps_high=4e-4, kl_coef=0.0)  # GSPO: one ratio per reply, clipped to a very narrow range
 PRESETS["cispo"] = dict(PRESETS["grpo"], policy_loss="cispo", aggregation="token", clip_eps=1.0, clip_eps_high=0.28,
-                        kl_coef=0.0)
-# SAPO (Qwen): a smooth gate instead of the clip (temperatures 1.0 / 1.05), GRPO's per-reply mean as the paper's, no KL
-PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)
-# On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution at each position of the student's
-# replies is the whole signal, no KL, the mean over tokens; two optimizer steps a sampled batch (docs/demo.md)
+                        kl_coef=0.0)  # CISPO (MiniMax-M1): no lower bound, a cap of 1.28 (why: docs/algorithm.md)
+PRESETS["sapo"] = dict(PRESETS["grpo"], policy_loss="sapo", kl_coef=0.0)  # SAPO (Qwen): the paper's per-reply mean
+# On-policy distillation (GKD, Agarwal et al. 2023): the teacher's distribution is the whole signal (docs/demo.md)
 PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="token", distill_coef=1.0,
                           distill_divergence="forward", ppo_epochs=2)
 
@@ -2231,9 +2208,9 @@ def on_gpu(args):
 
 
 def evaluated_run(args, given):
-    """--ask and --eval-only of a checkpoint of this program (--resume, or --init naming a run folder or its
-    checkpoints'): the flags not given take the run's values from its config.json, the "evaluated" ones with --init,
-    all but "spread" and "machine" with --resume -> (the config.json, {flag: (the run's, given)} where they differ)."""
+    """--ask/--eval-only of this program's checkpoint (--resume, or --init naming its run or checkpoints): flags not
+    given take its run's config.json values ("evaluated" ones; with --resume, all but "spread" and "machine") ->
+    (the config.json, {flag: (the run's, given)} where they differ)."""
     if not (args.ask or args.eval_only) or (args.init in ("sft", "scratch") and not args.resume):
         return None
     if args.resume:
@@ -2297,9 +2274,8 @@ def resolve_config(argv=None):
     # the filters a preset sets for the reward's sake would throw a teacher's signal away; given explicitly, they stay
     filters = [f for f in ("drop_equal_groups", "mask_truncated") if args.distill_coef and f not in given
                and PRESETS[args.algo][f]]
-    for name in filters:
-        setattr(args, name, False)
     if filters:
+        vars(args).update(dict.fromkeys(filters, False))
         args.notes.append(f"--algo {args.algo}'s {' and '.join('--' + f.replace('_', '-') for f in filters)} "
                           "stay off with a teacher: it scores every token, of equal groups and cut-off replies too "
                           "(give the flag to keep it)")
@@ -2310,37 +2286,31 @@ def resolve_config(argv=None):
         args.notes.append(f"{moved_by} also sets the demo's entropy bonus to {args.entropy_coef:g}, not --algo "
                           f"{args.algo}'s {own:g} (the bonus follows the advantages' scale): --entropy-coef {own:g} "
                           "keeps it")
-    if args.reward_weights is None:
-        args.reward_weights = {task.reward_terms[0]: 1.0}
-    if args.lora_alpha is None:
-        args.lora_alpha = 2.0 * args.lora_rank
-    if args.shard_optimizer is None:
-        args.shard_optimizer = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    fill_unset(args, dict(reward_weights={task.reward_terms[0]: 1.0}, lora_alpha=2.0 * args.lora_rank,
+                          shard_optimizer=launched()[1] > 1))
     if not on_gpu(args):  # on a GPU the memory plan fits them (fitted_plan); packed passes have rows only when asked
-        if args.pack and args.tokens_per_pass is None:
-            args.tokens_per_pass = 4096
-        if not args.pack and args.device_batch_size is None:
-            args.device_batch_size = 8
+        fill_unset(args, dict(tokens_per_pass=4096) if args.pack else dict(device_batch_size=8))
     check_config(args)
     return args
+
+
+def fill_unset(args, values):
+    """Set each flag that is still None (neither given nor set yet) to its value here."""
+    for key, value in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def apply_preset(args):
     """--algo's values for the flags not given, and the defaults that follow from other flags -> whether the demo's
     entropy bonus was set (by the advantages' scale: GDPO's are z-scored)."""
-    for key, value in PRESETS[args.algo].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     demo_bonus = args.entropy_coef is None
-    if demo_bonus:
-        args.entropy_coef = DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum" else
-                                              args.advantage]
-    if args.clip_eps_high is None:
-        args.clip_eps_high = args.clip_eps
-    if args.aggregation == "nanochat" and args.pass_size is None:
-        args.pass_size = 8  # nanochat's RL script's default device batch size
-    if args.overlong_buffer is None:  # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
-        args.overlong_buffer = args.max_new_tokens // 5 if args.algo == "dapo" else 0
+    fill_unset(args, PRESETS[args.algo])
+    fill_unset(args, dict(entropy_coef=DEMO_ENTROPY_COEF["zscore" if args.reward_combination == "normalize-then-sum"
+                                                         else args.advantage], clip_eps_high=args.clip_eps,
+                          pass_size=8 if args.aggregation == "nanochat" else None,  # nanochat RL's default device batch
+                          # DAPO's buffer is a fifth of its length limit (4,096 of 20,480 tokens)
+                          overlong_buffer=args.max_new_tokens // 5 if args.algo == "dapo" else 0))
     return demo_bonus
 
 
@@ -2353,7 +2323,10 @@ def check_config(args):
 
 def value_problems(args):
     """check_config's checks of one flag's value that its type cannot make -> [(bad, message)]."""
-    lrs = (args.lr, args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.init_lr_frac, args.lora_lr)
+    lrs = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr")
+    not_finite = [f"--{k.replace('_', '-')}" for k in lrs + ("weight_decay", "grad_clip", "clip_eps", "clip_eps_high",
+                "sapo_tau_pos", "sapo_tau_neg", "kl_coef", "entropy_coef", "temperature", "min_lr_frac", "lora_alpha")
+                if not math.isfinite(getattr(args, k))]
     return [
         (args.top_k < 0, "--top-k must be >= 0"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
@@ -2365,15 +2338,11 @@ def value_problems(args):
         (args.entropy_coef < 0, "--entropy-coef must be >= 0 (a negative bonus would push the policy to collapse)"),
         (not 0 <= args.min_lr_frac <= 1, "--min-lr-frac must be between 0 and 1"),
         (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be between 0 and --max-new-tokens"),
-        (not all(map(math.isfinite, lrs + (args.weight_decay, args.grad_clip, args.clip_eps, args.clip_eps_high,
-                                           args.sapo_tau_pos, args.sapo_tau_neg, args.kl_coef, args.entropy_coef,
-                                           args.temperature, args.min_lr_frac, args.lora_alpha))),
-         "learning rates, --weight-decay, --grad-clip, --clip-eps(-high), --kl-coef, --entropy-coef, --temperature, "
-         "--min-lr-frac and --lora-alpha must be finite numbers"),
+        (not_finite, f"{', '.join(not_finite)} must be finite"),
         (args.temperature < 0.1, f"--temperature {args.temperature} is (near) greedy: the replies of a group would "
          "be (nearly) all the same, with nothing to compare; use >= 0.1"),  # 0.1: a logit lead of 1 is a ratio of e^10
         (args.top_k == 1, "--top-k 1 is greedy sampling: every reply of a group would be the same (use 0 or >= 2)"),
-        (min(lrs) <= 0,
+        (min(getattr(args, k) for k in lrs) <= 0,
          "learning rates (--lr, --matrix-lr, --embedding-lr, --unembedding-lr, --init-lr-frac, --lora-lr) must be > 0"),
         (args.weight_decay < 0 or args.grad_clip < 0, "--weight-decay and --grad-clip must be >= 0"),
     ]
@@ -2381,7 +2350,7 @@ def value_problems(args):
 
 def combination_problems(args):
     """check_config's checks of flags that do not go together -> [(bad, message)]."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched()[1]
     # the flag the user gave: the preset's own coefficient, or --distill-coef
     distilling = ("--algo distill" if args.algo == "distill" and args.distill_coef == PRESETS["distill"]["distill_coef"]
                   else f"--distill-coef {args.distill_coef:g}")

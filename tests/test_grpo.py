@@ -640,6 +640,8 @@ def test_presets_and_explicit_overrides():
     (["--kl-coef", "-0.1"], "kl-coef"),
     (["--ref-reset-every", "5", "--kl-coef", "0"], "--kl-coef > 0"),
     (["--temperature", "0"], "temperature"),
+    (["--sapo-tau-pos", "inf"], "error: --sapo-tau-pos must be finite"),  # past its > 0 check, named by the next
+    (["--lr", "nan", "--sapo-tau-neg", "inf"], "error: --lr, --sapo-tau-neg must be finite"),
     (["--num-minibatches", "1000"], "num-minibatches"),
     (["--overlong-buffer", "100"], "overlong-buffer"),
     (["--top-k", "1"], "--top-k 1"),
