@@ -348,8 +348,8 @@ def build(spec, split, args):
     else:
         task = OwnTask(user_call(f"--task {spec}: from_flags({split!r})", cls.from_flags, split, args,
                                  passes=(OSError, ValueError)), spec, split)
-    if getattr(args, "attempts", 1) == 1:
-        return task
+    if getattr(args, "attempts", 1) == 1 or task.respond is not None and spec != args.task:
+        return task  # a watched task that answers itself plays its own episodes
     if task.respond is not None:
         raise ValueError(f"--task {spec} answers the assistant itself (respond): --attempts {args.attempts} would "
                          "replace its answers; leave --attempts out")

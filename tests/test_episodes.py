@@ -454,6 +454,11 @@ def test_attempts_need_the_turns_and_a_task_that_does_not_answer_itself(tmp_path
     with pytest.raises(SystemExit) as stop:
         grpo.main(base_flags(tmp_path, "b", "--task", "docs/examples/guess_digit.py:GuessDigit", "--attempts", "2"))
     assert "answers the assistant itself (respond): --attempts 2 would replace its answers" in str(stop.value.code)
+    # watched (--eval-task), such a task plays its own episodes; a task that does not answer takes the attempts
+    args = grpo.resolve_config(["--demo", "--attempts", "2", "--eval-task", "docs/examples/guess_digit.py:GuessDigit"])
+    watched = tasks.build("docs/examples/guess_digit.py:GuessDigit", "test", args)
+    assert not isinstance(watched, tasks.Attempts) and watched.respond is not None
+    assert isinstance(tasks.build("sort", "test", args), tasks.Attempts)
 
 
 def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_never_the_users_message():
