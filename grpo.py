@@ -1276,11 +1276,10 @@ def start_run(args, run_dir, rank, writes):
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, watched=watched, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
-                          static_pack=static_pack, run_dir=run_dir, tag=tag,
-                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0, start_evaluated=False, writes=writes,
+                          static_pack=static_pack, run_dir=run_dir, tag=tag, wandb=None, writes=writes, start_step=0,
+                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag), bad_steps=0,
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), signal_less_steps=0,
+                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_evaluated=False,
                           launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
@@ -1294,7 +1293,6 @@ def start_run(args, run_dir, rank, writes):
         log(f"--eval-only: {evaluation_settings(args)}")
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
-    run.wandb = None
     if args.wandb and master and writes:
         import wandb
         run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
@@ -1402,8 +1400,7 @@ def record_inputs(config, args, train_task, test_task, watched, tokenizer, teach
     if teacher_digest is not None:
         config["inputs"]["teacher"] = teacher_digest
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
-    own_grader = [args.grader] if args.grader not in GRADERS else []
-    for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
+    for spec in [args.task] + args.eval_task + [args.grader] * (args.grader not in GRADERS):  # their code, like data
         code = code_fingerprint(spec)
         if code:
             config.setdefault("task_code", {})[spec] = code
@@ -1471,12 +1468,9 @@ def frozen(net, bf16_matrices, offload):
 @contextmanager
 def on_device(module, device, offload):
     """--ref-offload, --teacher-offload: a module's CPU weights on the device for the block (unchanged: not copied)."""
-    if not offload or device.type == "cpu":
-        yield
-        return
-    kept = [p.data for p in module.parameters()]
-    for p in module.parameters():
-        p.data = p.data.to(device, non_blocking=True)
+    kept = [p.data for p in module.parameters()] if offload and device.type != "cpu" else []
+    for p, cpu in zip(module.parameters(), kept):
+        p.data = cpu.to(device, non_blocking=True)
     try:
         yield
     finally:
@@ -1577,12 +1571,9 @@ def self_check(args, run, questions=4, new_tokens=16):
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-    checks = all_reduce(self_check_distances(results, SELF_CHECKED), dist.ReduceOp.MAX).tolist()  # the worst rank's
-    measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
-    self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
-
-
-SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
+    checks = all_reduce(self_check_distances(results, ("logprobs", "grads", "teacher", "kl")),
+                        dist.ReduceOp.MAX).tolist()  # the worst rank's
+    self_check_verdict(args, run, checks, ends, zero, time.time() - start)
 
 
 def self_check_paths(args, run, check, prompts, samples):
@@ -1634,18 +1625,16 @@ def self_check_paths(args, run, check, prompts, samples):
     return results
 
 
-def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
-    """Each distance from the float32 path (measured: key -> [fast, plain]; decode: the sampler's) against its bound."""
+def self_check_verdict(args, run, checks, ends, zero, seconds):
+    """checks (the fast and plain paths' distances from float32 of each key, then the decode's) against their bounds."""
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
     decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
     # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
     decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
-    compiled = ", compiled" if args.compile and decode_flag else ""
-    decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
-    (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
-        measured[key] for key in SELF_CHECKED)
+    decode_path = f"the sampler's decode (--decode {decode_mode}{', compiled' if args.compile and decode_flag else ''})"
+    fast_lp, plain_lp, fast_grad, plain_grad, fast_teacher, plain_teacher, fast_kl, plain_kl, decode = checks
     for what, value, rounding, flag, slack in (  # slack: the decode's own rounding, one more plain pass's
         (f"{fast_path}: log-probs", fast_lp, plain_lp, fast_flag, 0),
         (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, plain_kl, fast_flag, 0),
@@ -1691,13 +1680,11 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     rows = sample_batch_rows(args, world_size)
     kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
-    if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
-        tokens = micro_rows * (length - 1)
-        passed = f"{micro_rows} packed rows, {tokens} tokens"
-    elif args.pack:
+    if args.pack and not args.device_batch_size:
         tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"
-    else:
-        tokens, passed = micro_rows * length, f"{micro_rows} rows"
+    else:  # packed: passes of that many whole rows, each up to the longest
+        tokens = micro_rows * (length - 1 if args.pack else length)
+        passed = f"{micro_rows} packed rows, {tokens} tokens" if args.pack else f"{micro_rows} rows"
     # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations gone
     # (`python tests/bench_memory.py --muon`): counted as 10
     muon_step = 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
@@ -1781,15 +1768,14 @@ def planned_optimizer_state(model, args, owners, world_size):
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    for opt in optimizers:
-        opt.step()
-    for p in params:
-        p.grad = None
     per_rank = [0] * world_size
     for opt in optimizers:
+        opt.step()
         for p, entry in opt.state.items():
             for rank in [owners[id(p)]] if owners else range(world_size):
                 per_rank[rank] += state_bytes(entry)
+    for p in params:
+        p.grad = None
     return per_rank
 
 
@@ -1872,8 +1858,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
         f"{longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
-        kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
-                           dtype, plan["optimizer state per rank"])["reference model"]
+        kept = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")  # a reference copy: resolve_config checks
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
