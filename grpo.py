@@ -1259,9 +1259,8 @@ def start_run(args, run_dir, rank, writes):
                                                                          else " (its test split)"))
     static_pack = None
     if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
-        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
-        for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
-            config[k] = getattr(args, k)  # the run folder says what ran
+        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)  # config: the chunks it fits
+        config.update((k, getattr(args, k)) for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"))
         if args.compile and args.pack:  # a compiled forward's one shape: a minibatch's rows at the longest width
             static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
     model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
@@ -1509,10 +1508,9 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
         sys.exit(f"error: --teacher's tokenizer ({tokenizer_path(folder)}) is not the policy's ({policy_file}): "
                  "distillation compares the two models' log-probs of the same token ids; pick a teacher trained "
                  "with the policy's tokenizer")
-    digest = hashlib.sha256()
     model_path = os.path.join(folder, f"model_{step:06d}.pt")
     with open(os.path.join(folder, f"meta_{step:06d}.json"), "rb") as meta, open(model_path, "rb") as weights:
-        digest.update(meta.read())
+        digest = hashlib.sha256(meta.read())
         size = os.fstat(weights.fileno()).st_size
         digest.update(str(size).encode() + weights.read(2 ** 20))
         weights.seek(max(0, size - 2 ** 20))
@@ -1603,8 +1601,7 @@ def self_check_paths(args, run, check, prompts, samples):
             own = [batch_rows(parts, micro_batches, mask) for parts in zip(*[
                 (in_rows(t["ids"], mb), *t["logprobs"]) if forward else (t,) for t, mb in zip(terms, micro_batches)])]
         taught = own if name == "fast" else taught
-        logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
-        loss = 0.0
+        logprobs, kl, loss = torch.zeros_like(mask), torch.zeros_like(mask), 0.0  # [N, T]
         for term, mb in zip(terms, micro_batches):
             if name != "fast" and teacher is not None:  # the fast path's, cut to this pass's padded rows
                 part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
@@ -1685,13 +1682,6 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
     else:  # packed: passes of that many whole rows, each up to the longest
         tokens = micro_rows * (length - 1 if args.pack else length)
         passed = f"{micro_rows} packed rows, {tokens} tokens" if args.pack else f"{micro_rows} rows"
-    # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations gone
-    # (`python tests/bench_memory.py --muon`): counted as 10
-    muon_step = 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
-        len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
-    exact = {} if not (args.pack and exact_attention) else {
-        "update: exact attention's padded rows (bound)": exact_attention_bytes(
-            c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
@@ -1705,9 +1695,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        MUON_STEP: muon_step,
+        # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations
+        # gone (`python tests/bench_memory.py --muon`): counted as 10
+        MUON_STEP: 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
+            len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters())),
         f"update: activations of {passed} (estimate)": pass_activations(c, tokens, args),
-        **exact,
+        **({"update: exact attention's padded rows (bound)": exact_attention_bytes(
+            c, args, world_size, length - 1, dtype, args.tokens_per_pass)} if args.pack and exact_attention else {}),
         # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
         # token of the rank's step, taken before the update and kept through it
         **({"update: the teacher's top-k of the step's reply tokens": args.prompts_per_step // world_size
@@ -1725,13 +1719,13 @@ def frozen_bytes(net, bf16_matrices):
     return sum(p.numel() * (2 if bf16_matrices and id(p) in linear else 4) for p in net.parameters())
 
 
-def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
+def exact_attention_bytes(c, args, world_size, longest_row, dtype, tokens_per_pass):
     """Bytes of packed attention's exact path: q, k, v and output of a [rows, longest row] block kept in every layer.
     Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's shape), or one per token at most."""
     most = minibatch_rows(args, world_size)
     rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
         most, tokens_per_pass)
-    head_dim = c.n_embd // c.n_head
+    head_dim, compute_bytes = c.n_embd // c.n_head, 2 if dtype == "bfloat16" else 4
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
@@ -1817,10 +1811,8 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
     if args.tokens_per_pass is None and args.pack:  # the most that fit, in 128s (the kernels' tiles)
-        compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, args) + (exact_attention_bytes(
-                    model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
+        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t, args) + (
+            exact_attention_bytes(model.config, args, world_size, longest_row, dtype, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     return memory_plan(model, SimpleNamespace(**dict(vars(args), **on_cpu)), world_size, longest_prompt, dtype,
                        smallest["optimizer state per rank"], exact, teacher), smallest
@@ -1833,8 +1825,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     teacher = load_teacher(args, tokenizer, lambda *a: None, shapes_only=True)[0] if args.distill_coef > 0 else None
     longest_prompt = task.longest_prompt(tokenizer)
-    free = free_memory(device)
-    gpu = device.type == "cuda"
+    free, gpu = free_memory(device), device.type == "cuda"
     for flag, what in (("ref", "reference"), ("teacher", "teacher")):
         if getattr(args, f"{flag}_offload") and not gpu:
             log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
@@ -1847,10 +1838,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
                  f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
                  f"raise it to at least {longest_row}, or lower --max-new-tokens")
     if plan_peak(smallest) > free:
-        remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
-            "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
-            ["--ref-offload"] if smallest["reference model"] else []) + (
-            ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
+        remedies = [remedy for remedy, helps in (("--shard-optimizer", not args.shard_optimizer and world_size > 1),
+            ("more GPUs (the optimizer state is split over them)", True), ("--lora-rank 16", not args.lora_rank),
+            ("--ref-offload", smallest["reference model"]), ("--teacher-offload", smallest.get("teacher model")),
+            ("a smaller --max-new-tokens", True)) if helps]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     sharded = f", optimizer state sharded over {world_size} ranks" if world_size > 1 and args.shard_optimizer else ""
