@@ -1236,8 +1236,7 @@ def stop_run(run_dir, problem, remedy, resume=True):
 # Setting a run up: processes and devices, tasks, the start policy, its reference, teacher and optimizers
 
 def start_run(args, run_dir, rank, writes):
-    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
-    False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
+    """Everything train() needs, one namespace (resumed: at its last checkpoint); writes False: nothing written."""
     evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
     teaching = args.distill_coef > 0 and not evaluating
     world_size, device, master, log, dtype, autocast = start_process(args, rank)
@@ -1344,8 +1343,7 @@ def leave_process_group():
 
 
 def read_tasks(args):
-    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data
-    or no start checkpoint, before the configuration is printed. Sets --num-steps where it waited for the data."""
+    """-> (train, test, {name: watched}); bad data or no start checkpoint: one error line, before the configuration."""
     try:
         train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
@@ -1364,8 +1362,7 @@ def read_tasks(args):
 
 
 def build_models(args, config, world_size, device, dtype, log, evaluating=False):
-    """The start policy on the device, its optimizers (each weight's owning rank when sharded) and the reference ->
-    (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone."""
+    """-> (model, tokenizer, tag, optimizers, owners (each weight's rank if sharded), ref_model); evaluating: model."""
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1395,17 +1392,14 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
 def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
     """config.json's "inputs" (sha256s of what the run rests on besides its flags, for --resume) and "scores"."""
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
-                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
-    if teacher_digest is not None:
-        config["inputs"]["teacher"] = teacher_digest
+                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest(),
+                        **({"teacher": teacher_digest} if teacher_digest is not None else {})}
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
     for spec in [args.task] + args.eval_task + [args.grader] * (args.grader not in GRADERS):  # their code, like data
-        code = code_fingerprint(spec)
-        if code:
+        if code := code_fingerprint(spec):
             config.setdefault("task_code", {})[spec] = code
             config["inputs"][f"code:{spec}"] = code["sha256"]
-    for name, task in watched.items():
-        config["inputs"][f"watched:{name}"] = task.fingerprint()
+    config["inputs"].update((f"watched:{name}", task.fingerprint()) for name, task in watched.items())
 
 
 def load_policy(args, log, shapes_only=False):
@@ -1550,28 +1544,25 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 
 def self_check(args, run, questions=4, new_tokens=16):
-    """The run's fast paths against the plain float32 one before the first step: the run's decode's replies to a few
-    train questions (model.py's self_check_replies), their log-probs and the update's gradient through each path
-    (self_check_paths), in a batch of its own (G = 2). One line; a path beyond its bound stops every rank."""
-    start, model = time.time(), run.model
+    """The run's fast paths against the plain float32 one, before the first step: its decode's replies to a few train
+    questions, their log-probs and gradient on each path, a batch of its own (G = 2). Beyond a bound, all ranks stop."""
+    start, model, tokenizer = time.time(), run.model, run.tokenizer
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
                                    advantage="mean", kl_coef=0.0, rollout_correction="off",
                                    distill_coef=args.distill_coef if run.teacher is not None else 0.0))
-    prompts = [run.tokenizer.render_for_completion(run.train_task[i])
-               for i in range(min(questions, len(run.train_task)))]
+    prompts = [tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(run.train_task)))]
     try:
         with noisy_projections(model, args.seed) as zero:
             with run.autocast:
-                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, check.num_samples, min(
+                prompts, samples, ends = self_check_replies(model, tokenizer, prompts, check.num_samples, min(
                     new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
             results = self_check_paths(args, run, check, prompts, samples)
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-    checks = all_reduce(self_check_distances(results, ("logprobs", "grads", "teacher", "kl")),
-                        dist.ReduceOp.MAX).tolist()  # the worst rank's
-    self_check_verdict(args, run, checks, ends, zero, time.time() - start)
+    checks = all_reduce(self_check_distances(results, ("logprobs", "grads", "teacher", "kl")), dist.ReduceOp.MAX)
+    self_check_verdict(args, run, checks.tolist(), ends, zero, time.time() - start)  # the worst rank's distances
 
 
 def self_check_paths(args, run, check, prompts, samples):
@@ -1613,12 +1604,11 @@ def self_check_paths(args, run, check, prompts, samples):
             logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
             if forward:
                 kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
-        grads = torch.autograd.grad(loss, params)
         values = mask.new_zeros(0) if teacher is None else torch.cat(  # [N, T, k + 1 or 1]
             [t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2) * mask[..., None]
-        results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
-                             sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
-                             kl=kl if forward else mask.new_zeros(0))
+        results[name] = dict(logprobs=logprobs, sampler=batch["sampler_logprobs"] * batch["sampled_mask"],
+                             grads=torch.cat([g.flatten().float() for g in torch.autograd.grad(loss, params)]),
+                             teacher=values, kl=kl if forward else mask.new_zeros(0))
     return results
 
 
@@ -1657,8 +1647,7 @@ def self_check_verdict(args, run, checks, ends, zero, seconds):
 
 
 # -----------------------------------------------------------------------------
-# The memory plan: what each rank will hold, from the model's shapes alone (a model on the meta device), before
-# the checkpoint is read
+# The memory plan: what each rank will hold, from the model's shapes (on the meta device) before its checkpoint is read
 
 GiB = 2 ** 30
 
@@ -1673,9 +1662,8 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
         optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
     c, compute_bytes = model.config, 2 if dtype == "bfloat16" else 4
-    head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
-    rows = sample_batch_rows(args, world_size)
-    kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
+    length, rows = longest_prompt + args.max_new_tokens, sample_batch_rows(args, world_size)  # rows: a generate call's
+    kv_per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * length * compute_bytes  # keys and values
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
     if args.pack and not args.device_batch_size:
         tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"
