@@ -1236,8 +1236,7 @@ def stop_run(run_dir, problem, remedy, resume=True):
 # Setting a run up: processes and devices, tasks, the start policy, its reference, teacher and optimizers
 
 def start_run(args, run_dir, rank, writes):
-    """Everything train() needs, as one namespace; a resumed run is restored to its last checkpoint. With writes
-    False (evaluating a checkpoint: --eval-only, --ask) nothing of the run folder is written."""
+    """Everything train() needs, one namespace (resumed: at its last checkpoint); writes False: nothing written."""
     evaluating = bool(args.eval_only or args.ask)  # the start policy only: no optimizers, reference or teacher
     teaching = args.distill_coef > 0 and not evaluating
     world_size, device, master, log, dtype, autocast = start_process(args, rank)
@@ -1259,9 +1258,8 @@ def start_run(args, run_dir, rank, writes):
                                                                          else " (its test split)"))
     static_pack = None
     if not evaluating:  # an evaluation's memory is the model's and the eval's (EVAL_BATCH), not a step's
-        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)
-        for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"):  # as the plan fitted them on a GPU:
-            config[k] = getattr(args, k)  # the run folder says what ran
+        longest_prompt = plan_memory(args, world_size, device, dtype, train_task, log)  # config: the chunks it fits
+        config.update((k, getattr(args, k)) for k in ("device_batch_size", "sample_batch_size", "tokens_per_pass"))
         if args.compile and args.pack:  # a compiled forward's one shape: a minibatch's rows at the longest width
             static_pack = (minibatch_rows(args, world_size), longest_prompt + args.max_new_tokens - 1)
     model, tokenizer, tag, optimizers, owners, ref_model = build_models(args, config, world_size, device, dtype,
@@ -1276,11 +1274,10 @@ def start_run(args, run_dir, rank, writes):
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, watched=watched, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
-                          static_pack=static_pack, run_dir=run_dir, tag=tag,
-                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag),
-                          metrics_path=os.path.join(run_dir, "metrics.jsonl"),
-                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_step=0, bad_steps=0,
-                          signal_less_steps=0, start_evaluated=False, writes=writes,
+                          static_pack=static_pack, run_dir=run_dir, tag=tag, wandb=None, writes=writes, start_step=0,
+                          checkpoint_dir=os.path.join(run_dir, "chatrl_checkpoints", tag), bad_steps=0,
+                          metrics_path=os.path.join(run_dir, "metrics.jsonl"), signal_less_steps=0,
+                          samples_path=os.path.join(run_dir, "samples.jsonl"), start_evaluated=False,
                           launcher=os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None)
     if args.resume:
         run.start_step = resume(args, run)
@@ -1294,7 +1291,6 @@ def start_run(args, run_dir, rank, writes):
         log(f"--eval-only: {evaluation_settings(args)}")
     wall_before = write_run_files(args, run) if writes else 0.0
     run.wall_start = time.time() - wall_before
-    run.wandb = None
     if args.wandb and master and writes:
         import wandb
         run.wandb = wandb.init(project=args.wandb, name=args.run_name, config=config)
@@ -1347,8 +1343,7 @@ def leave_process_group():
 
 
 def read_tasks(args):
-    """The train and test tasks and the watched ones -> (train, test, {name: watched}); one error line for bad data
-    or no start checkpoint, before the configuration is printed. Sets --num-steps where it waited for the data."""
+    """-> (train, test, {name: watched}); bad data or no start checkpoint: one error line, before the configuration."""
     try:
         train_task, test_task = (build(args.task, split, args) for split in ("train", "test"))
         watched = {task_name(spec): build(spec, "test", args) for spec in args.eval_task}
@@ -1367,8 +1362,7 @@ def read_tasks(args):
 
 
 def build_models(args, config, world_size, device, dtype, log, evaluating=False):
-    """The start policy on the device, its optimizers (each weight's owning rank when sharded) and the reference ->
-    (model, tokenizer, tag, optimizers, owners, ref_model); evaluating, the policy alone."""
+    """-> (model, tokenizer, tag, optimizers, owners (each weight's rank if sharded), ref_model); evaluating: model."""
     model, tokenizer, tag = load_policy(args, log)
     model.to(device)
     model.use_compile = args.compile  # the reference, a copy of the model, inherits it
@@ -1398,18 +1392,14 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
 def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):
     """config.json's "inputs" (sha256s of what the run rests on besides its flags, for --resume) and "scores"."""
     config["inputs"] = {"train": train_task.fingerprint(), "test": test_task.fingerprint(),
-                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest()}
-    if teacher_digest is not None:
-        config["inputs"]["teacher"] = teacher_digest
+                        "tokenizer": hashlib.sha256(pickle.dumps(tokenizer.enc)).hexdigest(),
+                        **({"teacher": teacher_digest} if teacher_digest is not None else {})}
     config["scores"] = {"": train_task.score, **{name: task.score for name, task in watched.items()}}  # --compare's
-    own_grader = [args.grader] if args.grader not in GRADERS else []
-    for spec in [args.task] + args.eval_task + own_grader:  # a Python task's or grader's code, checked like data
-        code = code_fingerprint(spec)
-        if code:
+    for spec in [args.task] + args.eval_task + [args.grader] * (args.grader not in GRADERS):  # their code, like data
+        if code := code_fingerprint(spec):
             config.setdefault("task_code", {})[spec] = code
             config["inputs"][f"code:{spec}"] = code["sha256"]
-    for name, task in watched.items():
-        config["inputs"][f"watched:{name}"] = task.fingerprint()
+    config["inputs"].update((f"watched:{name}", task.fingerprint()) for name, task in watched.items())
 
 
 def load_policy(args, log, shapes_only=False):
@@ -1471,12 +1461,9 @@ def frozen(net, bf16_matrices, offload):
 @contextmanager
 def on_device(module, device, offload):
     """--ref-offload, --teacher-offload: a module's CPU weights on the device for the block (unchanged: not copied)."""
-    if not offload or device.type == "cpu":
-        yield
-        return
-    kept = [p.data for p in module.parameters()]
-    for p in module.parameters():
-        p.data = p.data.to(device, non_blocking=True)
+    kept = [p.data for p in module.parameters()] if offload and device.type != "cpu" else []
+    for p, cpu in zip(module.parameters(), kept):
+        p.data = cpu.to(device, non_blocking=True)
     try:
         yield
     finally:
@@ -1515,10 +1502,9 @@ def load_teacher(args, tokenizer, log, shapes_only=False):
         sys.exit(f"error: --teacher's tokenizer ({tokenizer_path(folder)}) is not the policy's ({policy_file}): "
                  "distillation compares the two models' log-probs of the same token ids; pick a teacher trained "
                  "with the policy's tokenizer")
-    digest = hashlib.sha256()
     model_path = os.path.join(folder, f"model_{step:06d}.pt")
     with open(os.path.join(folder, f"meta_{step:06d}.json"), "rb") as meta, open(model_path, "rb") as weights:
-        digest.update(meta.read())
+        digest = hashlib.sha256(meta.read())
         size = os.fstat(weights.fileno()).st_size
         digest.update(str(size).encode() + weights.read(2 ** 20))
         weights.seek(max(0, size - 2 ** 20))
@@ -1558,31 +1544,25 @@ SELF_CHECK_FACTOR, SELF_CHECK_FLOOR = 2.0, 1e-4
 
 
 def self_check(args, run, questions=4, new_tokens=16):
-    """The run's fast paths against the plain float32 one before the first step: the run's decode's replies to a few
-    train questions (model.py's self_check_replies), their log-probs and the update's gradient through each path
-    (self_check_paths), in a batch of its own (G = 2). One line; a path beyond its bound stops every rank."""
-    start, model = time.time(), run.model
+    """The run's fast paths against the plain float32 one, before the first step: its decode's replies to a few train
+    questions, their log-probs and gradient on each path, a batch of its own (G = 2). Beyond a bound, all ranks stop."""
+    start, model, tokenizer = time.time(), run.model, run.tokenizer
     check = SimpleNamespace(**dict(vars(args), num_samples=2, num_minibatches=1, aggregation="token",
                                    drop_equal_groups=False, mask_truncated=False, reward_combination="sum",
                                    advantage="mean", kl_coef=0.0, rollout_correction="off",
                                    distill_coef=args.distill_coef if run.teacher is not None else 0.0))
-    prompts = [run.tokenizer.render_for_completion(run.train_task[i])
-               for i in range(min(questions, len(run.train_task)))]
+    prompts = [tokenizer.render_for_completion(run.train_task[i]) for i in range(min(questions, len(run.train_task)))]
     try:
         with noisy_projections(model, args.seed) as zero:
             with run.autocast:
-                prompts, samples, ends = self_check_replies(model, run.tokenizer, prompts, check.num_samples, min(
+                prompts, samples, ends = self_check_replies(model, tokenizer, prompts, check.num_samples, min(
                     new_tokens, args.max_new_tokens), args.temperature, args.seed, args.decode)
             results = self_check_paths(args, run, check, prompts, samples)
     finally:
         for net in [model] + ([run.teacher] if run.teacher is not None else []):
             net.use_compile = args.compile
-    checks = all_reduce(self_check_distances(results, SELF_CHECKED), dist.ReduceOp.MAX).tolist()  # the worst rank's
-    measured = {key: checks[2 * i:2 * i + 2] for i, key in enumerate(SELF_CHECKED)}  # key -> [fast, plain]
-    self_check_verdict(args, run, measured, checks[-1], ends, zero, time.time() - start)
-
-
-SELF_CHECKED = ("logprobs", "grads", "teacher", "kl")  # what self_check_paths measures on each path
+    checks = all_reduce(self_check_distances(results, ("logprobs", "grads", "teacher", "kl")), dist.ReduceOp.MAX)
+    self_check_verdict(args, run, checks.tolist(), ends, zero, time.time() - start)  # the worst rank's distances
 
 
 def self_check_paths(args, run, check, prompts, samples):
@@ -1612,8 +1592,7 @@ def self_check_paths(args, run, check, prompts, samples):
             own = [batch_rows(parts, micro_batches, mask) for parts in zip(*[
                 (in_rows(t["ids"], mb), *t["logprobs"]) if forward else (t,) for t, mb in zip(terms, micro_batches)])]
         taught = own if name == "fast" else taught
-        logprobs, kl = torch.zeros_like(mask), torch.zeros_like(mask)  # [N, T]
-        loss = 0.0
+        logprobs, kl, loss = torch.zeros_like(mask), torch.zeros_like(mask), 0.0  # [N, T]
         for term, mb in zip(terms, micro_batches):
             if name != "fast" and teacher is not None:  # the fast path's, cut to this pass's padded rows
                 part = [None if t is None else t[mb["rows"], :mb["input_ids"].size(1)] for t in taught]
@@ -1625,27 +1604,24 @@ def self_check_paths(args, run, check, prompts, samples):
             logprobs[mb["rows"], :mb_logprobs.size(1)] = mb_logprobs.float() * mb["loss_mask"]
             if forward:
                 kl[mb["rows"], :mb_logprobs.size(1)] = parts["teacher_kl"].float() * mb["loss_mask"]
-        grads = torch.autograd.grad(loss, params)
         values = mask.new_zeros(0) if teacher is None else torch.cat(  # [N, T, k + 1 or 1]
             [t.view(t.shape[:2] + (-1,)) for t in own[1 if forward else 0:] if t is not None], 2) * mask[..., None]
-        results[name] = dict(logprobs=logprobs, grads=torch.cat([g.flatten().float() for g in grads]),
-                             sampler=batch["sampler_logprobs"] * batch["sampled_mask"], teacher=values,
-                             kl=kl if forward else mask.new_zeros(0))
+        results[name] = dict(logprobs=logprobs, sampler=batch["sampler_logprobs"] * batch["sampled_mask"],
+                             grads=torch.cat([g.flatten().float() for g in torch.autograd.grad(loss, params)]),
+                             teacher=values, kl=kl if forward else mask.new_zeros(0))
     return results
 
 
-def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
-    """Each distance from the float32 path (measured: key -> [fast, plain]; decode: the sampler's) against its bound."""
+def self_check_verdict(args, run, checks, ends, zero, seconds):
+    """checks (the fast and plain paths' distances from float32 of each key, then the decode's) against their bounds."""
     fast_path = (("packed passes" + (" (flash attention)" if run.device.type == "cuda" else "") if args.pack
                   else "padded rows") + (", compiled" if args.compile else ""))
     fast_flag = " and ".join(flag for flag, on in (("--no-pack", args.pack), ("--no-compile", args.compile)) if on)
     decode_mode = args.decode if args.decode != "auto" else "graph" if run.device.type == "cuda" else "dynamic"
     # the dynamic decode is the plain one (uncompiled, only the filled cache): no flag avoids a fault there
     decode_flag = "" if decode_mode == "dynamic" else "--decode dynamic"
-    compiled = ", compiled" if args.compile and decode_flag else ""
-    decode_path = f"the sampler's decode (--decode {decode_mode}{compiled})"
-    (fast_lp, plain_lp), (fast_grad, plain_grad), (fast_teacher, plain_teacher), (fast_kl, plain_kl) = (
-        measured[key] for key in SELF_CHECKED)
+    decode_path = f"the sampler's decode (--decode {decode_mode}{', compiled' if args.compile and decode_flag else ''})"
+    fast_lp, plain_lp, fast_grad, plain_grad, fast_teacher, plain_teacher, fast_kl, plain_kl, decode = checks
     for what, value, rounding, flag, slack in (  # slack: the decode's own rounding, one more plain pass's
         (f"{fast_path}: log-probs", fast_lp, plain_lp, fast_flag, 0),
         (f"{fast_path}: the forward KL at the teacher's top-k (the student's gather)", fast_kl, plain_kl, fast_flag, 0),
@@ -1671,8 +1647,7 @@ def self_check_verdict(args, run, measured, decode, ends, zero, seconds):
 
 
 # -----------------------------------------------------------------------------
-# The memory plan: what each rank will hold, from the model's shapes alone (a model on the meta device), before
-# the checkpoint is read
+# The memory plan: what each rank will hold, from the model's shapes (on the meta device) before its checkpoint is read
 
 GiB = 2 ** 30
 
@@ -1687,24 +1662,14 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         owners = shard_owners(trainable, world_size) if args.shard_optimizer and world_size > 1 else None
         optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
     c, compute_bytes = model.config, 2 if dtype == "bfloat16" else 4
-    head_dim, length = c.n_embd // c.n_head, longest_prompt + args.max_new_tokens
-    rows = sample_batch_rows(args, world_size)
-    kv_per_row = 2 * c.n_layer * c.n_kv_head * head_dim * length * compute_bytes  # keys and values, every layer
+    length, rows = longest_prompt + args.max_new_tokens, sample_batch_rows(args, world_size)  # rows: a generate call's
+    kv_per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * length * compute_bytes  # keys and values
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
-    if args.pack and args.device_batch_size:  # passes of that many whole rows, each up to the longest
-        tokens = micro_rows * (length - 1)
-        passed = f"{micro_rows} packed rows, {tokens} tokens"
-    elif args.pack:
+    if args.pack and not args.device_batch_size:
         tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"
-    else:
-        tokens, passed = micro_rows * length, f"{micro_rows} rows"
-    # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations gone
-    # (`python tests/bench_memory.py --muon`): counted as 10
-    muon_step = 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
-        len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters()))
-    exact = {} if not (args.pack and exact_attention) else {
-        "update: exact attention's padded rows (bound)": exact_attention_bytes(
-            c, args, world_size, length - 1, compute_bytes, args.tokens_per_pass)}
+    else:  # packed: passes of that many whole rows, each up to the longest
+        tokens = micro_rows * (length - 1 if args.pack else length)
+        passed = f"{micro_rows} packed rows, {tokens} tokens" if args.pack else f"{micro_rows} rows"
     return {
         "weights (float32)": sum(p.numel() * 4 for p in model.parameters()),
         "optimizer state per rank": optimizer_state,
@@ -1718,9 +1683,13 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         f"sampling: KV cache and logits of {rows} replies": rows * (kv_per_row + c.vocab_size * 4)
         + rows // args.num_samples * kv_per_row,  # + the prompts' own cache, before each sample gets a copy
         "update: gradients (float32)": sum(p.numel() * 4 for p in trainable),
-        MUON_STEP: muon_step,
+        # Muon's step holds at most 9.25 float32 copies of its largest stack beside the gradients, the activations
+        # gone (`python tests/bench_memory.py --muon`): counted as 10
+        MUON_STEP: 0 if args.optimizer != "muon" or args.lora_rank else 10 * max(
+            len(stack) * stack[0].numel() * 4 for stack in Muon.stacks(model.transformer.h.parameters())),
         f"update: activations of {passed} (estimate)": pass_activations(c, tokens, args),
-        **exact,
+        **({"update: exact attention's padded rows (bound)": exact_attention_bytes(
+            c, args, world_size, length - 1, dtype, args.tokens_per_pass)} if args.pack and exact_attention else {}),
         # --distill-divergence forward: the teacher's top-k ids (int64) and log-probs, and the rest's, at every reply
         # token of the rank's step, taken before the update and kept through it
         **({"update: the teacher's top-k of the step's reply tokens": args.prompts_per_step // world_size
@@ -1738,13 +1707,13 @@ def frozen_bytes(net, bf16_matrices):
     return sum(p.numel() * (2 if bf16_matrices and id(p) in linear else 4) for p in net.parameters())
 
 
-def exact_attention_bytes(c, args, world_size, longest_row, compute_bytes, tokens_per_pass):
+def exact_attention_bytes(c, args, world_size, longest_row, dtype, tokens_per_pass):
     """Bytes of packed attention's exact path: q, k, v and output of a [rows, longest row] block kept in every layer.
     Rows a pass: --device-batch-size; else the minibatch's (a compiled forward's shape), or one per token at most."""
     most = minibatch_rows(args, world_size)
     rows = min(args.device_batch_size, most) if args.device_batch_size else most if args.compile else min(
         most, tokens_per_pass)
-    head_dim = c.n_embd // c.n_head
+    head_dim, compute_bytes = c.n_embd // c.n_head, 2 if dtype == "bfloat16" else 4
     return rows * longest_row * c.n_layer * head_dim * (2 * c.n_head + 2 * c.n_kv_head) * compute_bytes
 
 
@@ -1781,15 +1750,14 @@ def planned_optimizer_state(model, args, owners, world_size):
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    for opt in optimizers:
-        opt.step()
-    for p in params:
-        p.grad = None
     per_rank = [0] * world_size
     for opt in optimizers:
+        opt.step()
         for p, entry in opt.state.items():
             for rank in [owners[id(p)]] if owners else range(world_size):
                 per_rank[rank] += state_bytes(entry)
+    for p in params:
+        p.grad = None
     return per_rank
 
 
@@ -1831,10 +1799,8 @@ def fitted_plan(model, args, world_size, longest_prompt, dtype, free, gpu, teach
         per_row = next(v for k, v in smallest.items() if k.startswith("update: activations"))
         args.device_batch_size = max(1, min(rows, int(room // per_row)))
     if args.tokens_per_pass is None and args.pack:  # the most that fit, in 128s (the kernels' tiles)
-        compute_bytes = 2 if dtype == "bfloat16" else 4
-        fits = [t for t in range(128, rows * longest_row + 128, 128)
-                if pass_activations(model.config, t, args) + (exact_attention_bytes(
-                    model.config, args, world_size, longest_row, compute_bytes, t) if exact else 0) <= room]
+        fits = [t for t in range(128, rows * longest_row + 128, 128) if pass_activations(model.config, t, args) + (
+            exact_attention_bytes(model.config, args, world_size, longest_row, dtype, t) if exact else 0) <= room]
         args.tokens_per_pass = max([longest_row] + fits[-1:])
     return memory_plan(model, SimpleNamespace(**dict(vars(args), **on_cpu)), world_size, longest_prompt, dtype,
                        smallest["optimizer state per rank"], exact, teacher), smallest
@@ -1847,8 +1813,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
         model.add_lora(args.lora_rank, args.lora_alpha, args.seed)
     teacher = load_teacher(args, tokenizer, lambda *a: None, shapes_only=True)[0] if args.distill_coef > 0 else None
     longest_prompt = task.longest_prompt(tokenizer)
-    free = free_memory(device)
-    gpu = device.type == "cuda"
+    free, gpu = free_memory(device), device.type == "cuda"
     for flag, what in (("ref", "reference"), ("teacher", "teacher")):
         if getattr(args, f"{flag}_offload") and not gpu:
             log(f"note: --{flag}-offload keeps the {what} off a GPU; on the CPU it stays where it is")
@@ -1861,10 +1826,10 @@ def plan_memory(args, world_size, device, dtype, task, log):
                  f"(a prompt of up to {longest_prompt} and a reply of up to --max-new-tokens {args.max_new_tokens}): "
                  f"raise it to at least {longest_row}, or lower --max-new-tokens")
     if plan_peak(smallest) > free:
-        remedies = ([] if args.shard_optimizer or world_size == 1 else ["--shard-optimizer"]) + [
-            "more GPUs (the optimizer state is split over them)"] + ([] if args.lora_rank else ["--lora-rank 16"]) + (
-            ["--ref-offload"] if smallest["reference model"] else []) + (
-            ["--teacher-offload"] if smallest.get("teacher model") else []) + ["a smaller --max-new-tokens"]
+        remedies = [remedy for remedy, helps in (("--shard-optimizer", not args.shard_optimizer and world_size > 1),
+            ("more GPUs (the optimizer state is split over them)", True), ("--lora-rank 16", not args.lora_rank),
+            ("--ref-offload", smallest["reference model"]), ("--teacher-offload", smallest.get("teacher model")),
+            ("a smaller --max-new-tokens", True)) if helps]
         sys.exit(f"error: the memory plan needs {size(plan_peak(smallest))} a rank even at one group a generate "
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     sharded = f", optimizer state sharded over {world_size} ranks" if world_size > 1 and args.shard_optimizer else ""
@@ -1872,8 +1837,7 @@ def plan_memory(args, world_size, device, dtype, task, log):
         f"{longest_prompt} tokens):\n" + "\n".join(
         f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
-        kept = memory_plan(model, SimpleNamespace(**dict(vars(args), ref_offload=False)), world_size, longest_prompt,
-                           dtype, plan["optimizer state per rank"])["reference model"]
+        kept = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")  # a reference copy: resolve_config checks
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
             f"{kept / 25e9:.2f} s a step at 25 GB/s (a PCIe 4.0 x16 link; not measured)")
     if plan_peak(plan) > free:
