@@ -1524,7 +1524,8 @@ def unusable_checkpoint(flag, error, steps):
         instead = ("no other step of the run has its training state" if flag == "--resume" else
                    f"no other step in {folder} has its model and meta files: copy that file again from where it came")
     else:
-        other = max([s for s in others if s < step] or others)  # the step before it, else the nearest after
+        earlier = [s for s in others if s < step]
+        other = max(earlier) if earlier else min(others)  # the step before it, else the nearest after
         whole = f"the steps with model and meta files: {listed}"
         instead = {"--init": f"start from step {other} instead (--init-step {other}; {whole})",
                    "--teacher": f"use its step {other} instead (--teacher-step {other}; {whole})",

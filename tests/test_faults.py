@@ -738,3 +738,10 @@ def test_a_short_write_while_saving_is_the_disks_error_not_a_traceback(tmp_path,
         model.atomic_save({"w": torch.zeros(1000)}, str(tmp_path / "model.pt"))
     assert error.value.errno == errno.EFBIG and error.value.filename == str(tmp_path / "model.pt")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_damaged_first_step_points_at_the_nearest_later_one():
+    error = model_module.CheckpointFileError("/ckpt/d2/model_000005.pt", "/ckpt/d2/model_000005.pt is cut short")
+    with pytest.raises(SystemExit) as stop:
+        grpo.unusable_checkpoint("--init", error, [5, 7, 9])
+    assert "start from step 7 instead (--init-step 7;" in str(stop.value.code)
