@@ -1249,7 +1249,7 @@ def start_run(args, run_dir, rank, writes):
     if args.resume:
         same_version(run_dir)
     config = {k: v for k, v in vars(args).items()
-              if k not in ("resume", "wandb", "compare", "compare_out", "eval_only", "ask", "notes", "run_settings")}
+              if k not in flags_with("unrecorded") + ("notes", "run_settings")}
     config.update(world_size=world_size, version=VERSION)
     setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
     setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
@@ -1885,6 +1885,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 #   teacher    the teacher's, which an evaluation never reads
 #   sampling   how replies are sampled: an evaluation may change it
 #   evaluated  what an evaluation of a run's checkpoint reads from its config.json where no flag says otherwise
+#   unrecorded what the command does with a run, not what the run is: not in config.json
 # idle: [(when, why)]: given while one holds, the flag does nothing; a note at start says why (the first that holds),
 # since a flag silently idle looks like a setting that was tried.
 ROLES, IDLE = {}, {}
@@ -2063,7 +2064,7 @@ arg("--n-head", type=int, default=2, help="scratch model: attention heads (and K
 arg = declare(parser.add_argument_group("run, evaluation and logging"))
 arg("--run-name", role="observes machine", help="files go to <runs-dir>/<run-name> (default: <task>-<algo>-seed<seed>)")
 arg("--runs-dir", default="runs", help="folder of the run folders", role="observes machine")
-arg("--resume", action="store_true", help="continue the run from its latest checkpoint")
+arg("--resume", action="store_true", help="continue the run from its latest checkpoint", role="unrecorded")
 arg("--seed", type=int, default=0, help="seeds a scratch model's weights, the sampling, and the order of every "
     "epoch but the first (which takes the task's fixed order, so that every seed sees the same questions at the same "
     "step and seeds differ in their sampling alone; GSM8K's: shuffled once, as nanochat's)", role="sampling evaluated")
@@ -2076,9 +2077,10 @@ arg("--final-eval-examples", type=int, default=-1, help="test problems in the fi
 arg("--eval-only", action="store_true", help="evaluate the start policy on --final-eval-examples problems (or "
     "--eval-examples, given alone), then exit; with --resume the run's newest checkpoint, written to the run's "
     "eval_only.jsonl and evals/eval_only_step_N.jsonl only. A checkpoint of this program is evaluated on its run's "
-    "task and sampling settings (its config.json), but for the flags given")
+    "task and sampling settings (its config.json), but for the flags given", role="unrecorded")
 arg("--ask", metavar="QUESTION", help="print the start policy's replies to this question (greedy, and --num-samples "
-    "sampled), graded if it is a task problem, then exit; writes nothing; reads a run's settings as --eval-only does")
+    "sampled), graded if it is a task problem, then exit; writes nothing; reads a run's settings as --eval-only does",
+    role="unrecorded")
 arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@1..k in evals (0: greedy only)",
     role="observes evaluated", idle=[NO_EVALS, (lambda a: a.ask, "--ask samples --num-samples replies")])
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
@@ -2091,10 +2093,11 @@ arg("--save-on-stop", action=argparse.BooleanOptionalAction, default=True, help=
     "SIGTERM) during the steps saves a checkpoint at the end of the step under way, then stops; a second one stops "
     "at once", role="observes")
 arg("--max-bad-steps", type=at_least(1), default=3, role="observes", help="stop after N non-finite losses in a row")
-arg("--wandb", metavar="PROJECT", help="also log to this wandb project")
+arg("--wandb", metavar="PROJECT", help="also log to this wandb project", role="unrecorded")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
-    "beside the runs when they are in one folder, else in the current one; or --compare-out)")
-arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file")
+    "beside the runs when they are in one folder, else in the current one; or --compare-out)", role="unrecorded")
+arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file",
+    role="unrecorded")
 arg = declare(parser.add_argument_group("devices and processes"))
 arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
 arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
