@@ -2293,7 +2293,8 @@ def value_problems(args):
     """check_config's checks of one flag's value that its type cannot make -> [(bad, message)]."""
     lrs = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr")
     not_finite = [f"--{k.replace('_', '-')}" for k in lrs + ("weight_decay", "grad_clip", "clip_eps", "clip_eps_high",
-                "sapo_tau_pos", "sapo_tau_neg", "kl_coef", "entropy_coef", "temperature", "min_lr_frac", "lora_alpha")
+                "sapo_tau_pos", "sapo_tau_neg", "kl_coef", "distill_coef", "entropy_coef", "temperature", "min_lr_frac",
+                "lora_alpha")
                 if not math.isfinite(getattr(args, k))]
     return [
         (args.top_k < 0, "--top-k must be >= 0"),

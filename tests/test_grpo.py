@@ -642,6 +642,7 @@ def test_presets_and_explicit_overrides():
     (["--temperature", "0"], "temperature"),
     (["--sapo-tau-pos", "inf"], "error: --sapo-tau-pos must be finite"),  # past its > 0 check, named by the next
     (["--lr", "nan", "--sapo-tau-neg", "inf"], "error: --lr, --sapo-tau-neg must be finite"),
+    (["--distill-coef", "inf"], "error: --distill-coef must be finite"),  # a teacher's weight of inf: a NaN loss
     (["--num-minibatches", "1000"], "num-minibatches"),
     (["--overlong-buffer", "100"], "overlong-buffer"),
     (["--top-k", "1"], "--top-k 1"),
