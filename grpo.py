@@ -729,9 +729,8 @@ def plan_micro_batches(batch, args, static=None):
     """The update's micro-batches -> (a list of dicts of tensors, each with its minibatch's number; this rank's
     [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]). Minibatch j:
     the replies whose global row is j modulo num_minibatches, so any number of ranks takes the same steps. --pack
-    fills passes of --tokens-per-pass tokens first-fit, longest first (the rows a pass shares depend on the rank's
-    share); --device-batch-size (always with --no-pack): runs of that many rows, question by question, longest
-    first. A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
+    fills passes of --tokens-per-pass tokens first-fit, longest first; --device-batch-size: runs of that many rows.
+    A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -781,9 +780,8 @@ def update_stats(device):
                                       "tokens", "kl", "entropy", "sampler_gap", "teacher_kl")}
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
-                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
-                skipped_updates=0, empty_updates=0, no_signal_updates=0,
-                weights_finite=torch.ones((), dtype=torch.bool, device=device))
+                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1, skipped_updates=0,
+                empty_updates=0, no_signal_updates=0, weights_finite=torch.ones((), dtype=torch.bool, device=device))
 
 
 @torch.no_grad()
@@ -832,12 +830,9 @@ def add_micro_batch_stats(stats, loss, parts, mask, stepped):
     """Add one micro-batch's loss and objective()'s parts; mask [B, T]; stepped: an optimizer step came before it."""
     sums = stats["sums"]
     sums["loss"] += loss
-    sums["loss_policy"] += parts["loss_policy"]
-    if "kl" in parts:
-        sums["loss_kl"] += parts["loss_kl"]
-    for name in ("kl", "teacher_kl", "entropy"):  # per token
+    for name in ("loss_policy", "loss_kl", "kl", "teacher_kl", "entropy"):  # the losses a pass, the rest per token
         if name in parts:
-            sums[name] += (parts[name] * mask).sum()
+            sums[name] += parts[name] if name.startswith("loss") else (parts[name] * mask).sum()
     if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
         clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
         sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
@@ -881,7 +876,6 @@ def state_bytes(entry):
 
 
 def optimizer_state_bytes(optimizers):
-    """The bytes of this rank's optimizer state."""
     return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
 
 
@@ -897,9 +891,8 @@ def lr_multiplier(step, args):
 
 def set_learning_rates(optimizers, step, args):
     multiplier = lr_multiplier(step, args)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
+    for group in (group for opt in optimizers for group in opt.param_groups):
+        group["lr"] = group["initial_lr"] * multiplier
     return multiplier
 
 
@@ -924,19 +917,18 @@ def log_samples(args, run, step, groups, batch):
         return
     G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
     equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
-    order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
-    rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
+    rows = [g * G + int(pick(rewards[g])) for g in sorted(range(len(rewards)), key=lambda g: equal[g])
             for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
-    table, episodes = [], []
+    table, lines = [], []
     for row in rows:
         index = int(groups["indices"][row // G])
         conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
         table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
                       advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
-        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
+        # an episode's turns, one by one (reply: its last)
+        lines.append(json.dumps(dict(zip(SAMPLE_COLUMNS, table[-1]), **episode_of(conversation))) + "\n")
     with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
-                     for values, episode in zip(table, episodes))
+        f.writelines(lines)
     if run.wandb:
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
@@ -996,7 +988,7 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
                  equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
                  kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
                  equal_groups_kept=batch["equal_groups"].sum(),
-                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
+                 reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
                  tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
     episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
@@ -1011,9 +1003,7 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
             **{name: sums[name] / sums["replies"] for name in names}, **stats,
             **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
                 "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
-            "reply_len": sums["tokens"] / kept, "truncated_frac": sums["truncated"] / kept,
-            "overlong_penalty": sums["overlong_penalty"] / kept,
-            **{name: sums[name] / kept for name in episodes},  # episodes: turns, how they ended
+            **{name: sums[name] / kept for name in ("reply_len", "truncated_frac", "overlong_penalty", *episodes)},
             "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
             "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
             "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
@@ -1026,7 +1016,7 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
 def evaluate_and_save(args, run, step):
     """The step's eval and checkpoint when due; a stop signal received on any rank ends the run here, saved."""
     last = step + 1 == args.num_steps
-    stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
+    stopping = STOP["at_step_end"] and stop_requested()  # a stop signal on any rank: every rank saves, stops
     evaluated = True  # the step's eval, when due, ran to its end
     if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
         if stopping:  # saved first: an eval (minutes on a GPU) would outlast a launcher's grace period
@@ -1034,19 +1024,18 @@ def evaluate_and_save(args, run, step):
         evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
                                               args.eval_examples) is not None
         stopping = not evaluated  # a stop signal during the eval abandoned it
-    due = (args.save_every and (step + 1) % args.save_every == 0) or last
-    if not run.bad_steps and (due or stopping):
+    if not run.bad_steps and (stopping or last or (args.save_every and (step + 1) % args.save_every == 0)):
         optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
         if run.master:
             save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
                                 run.config, args.keep_states)
         # Every rank waits for rank 0's write: one that ended early would start the launcher's kill clock (30 s)
-        stopping = (stop_requested(run) and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
+        stopping = (stop_requested() and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
     if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
         raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
 
 
-def stop_requested(run):
+def stop_requested():
     """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
     return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
 
@@ -2706,7 +2695,7 @@ def run_eval(args, run, step, num_examples):
     eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
     abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
-    stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
+    stop = stop_requested if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
     try:
         result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
