@@ -699,11 +699,10 @@ def epoch_order(num_examples, seed, epoch, prompts_per_step):
     while done < epoch:
         done += 1
         straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
-        held = set(order[num_examples - straddled:]) if straddled else set()
+        held = set(order[num_examples - straddled:])  # none when no step straddles
         shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
-        free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
-        taken = set(free)
-        order = free + [q for q in shuffled if q not in taken]
+        taken = set([q for q in shuffled if q not in held][:prompts_per_step - straddled])  # the rest of that step
+        order = sorted(shuffled, key=lambda q: q not in taken)  # those first; both parts in the shuffled order
     EPOCH_ORDERS[key] = (done, order)
     return order
 
@@ -748,9 +747,8 @@ def plan_micro_batches(batch, args, static=None):
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
         for chunk in passes:
             width = max(widths[r] for r in chunk)
-            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                                       "sampler_logprobs")}
-            mb.update(minibatch=j, rows=torch.tensor(chunk))
+            mb = dict({k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                                            "sampler_logprobs")}, minibatch=j, rows=torch.tensor(chunk))
             if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
                 mb["pass_normalisers"] = batch["pass_normalisers"][chunk]
             if args.pack:  # the masks stay in the rows' layout
@@ -913,8 +911,6 @@ SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "
 def log_samples(args, run, step, groups, batch):
     """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
     reply side by side (an all-equal group's one), the groups the update learns from (rewards differ) first."""
-    if not (run.master and run.writes and args.log_samples):
-        return
     G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
     equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
     rows = [g * G + int(pick(rewards[g])) for g in sorted(range(len(rewards)), key=lambda g: equal[g])
@@ -938,13 +934,14 @@ WEIGHT_NORM_WARNING = 2.0  # one update changing the weights' norm by more warns
 
 
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
-    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due."""
+    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due, honour a stop."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     weights_finite = stats.pop("weights_finite")
     metrics = step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier)
     record(run, metrics)
-    log_samples(args, run, step, groups, batch)
+    if run.master and run.writes and args.log_samples:
+        log_samples(args, run, step, groups, batch)
     optional = "".join(f" | {label} {metrics[key]:{spec}}" for label, key, spec in (
         ("kl", "kl", ".4f"), ("teacher kl", "teacher_kl", ".4f"), ("clip", "clip_frac", ".3f"),
         ("turns", "episode_turns", ".2f")) if metrics.get(key) is not None)
@@ -974,47 +971,6 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
         stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
                  "lower the learning rates or set --grad-clip (a resumed run may change those)")
-    evaluate_and_save(args, run, step)
-
-
-def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
-    """The step's metrics.jsonl line: the rewards and replies summed over the ranks, the update's statistics."""
-    samples = groups["samples"]
-    drawn = groups.get("drawn", groups)  # the policy's own rewards: also of the groups dynamic sampling left out
-    names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
-    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
-                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
-                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
-                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
-                 equal_groups_kept=batch["equal_groups"].sum(),
-                 reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
-                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
-                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
-    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
-    local.update(episodes)
-    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
-                                                   device=run.device)).tolist()))  # over all ranks
-    kept = sums["kept_replies"]
-    state_mb = torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20, dtype=torch.float64, device=run.device)
-    return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
-            "reward_group_std": sums["reward_group_std"] / sums["groups"],
-            "equal_group_frac": sums["equal_groups"] / sums["groups"],
-            **{name: sums[name] / sums["replies"] for name in names}, **stats,
-            **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
-                "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
-            **{name: sums[name] / kept for name in ("reply_len", "truncated_frac", "overlong_penalty", *episodes)},
-            "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
-            "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
-            "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
-            "optimizer_state_mb": all_reduce(state_mb, dist.ReduceOp.MAX).item(),  # the largest rank's
-            "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
-                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "wall_time": time.time() - run.wall_start}
-
-
-def evaluate_and_save(args, run, step):
-    """The step's eval and checkpoint when due; a stop signal received on any rank ends the run here, saved."""
     last = step + 1 == args.num_steps
     stopping = STOP["at_step_end"] and stop_requested()  # a stop signal on any rank: every rank saves, stops
     evaluated = True  # the step's eval, when due, ran to its end
@@ -1033,6 +989,40 @@ def evaluate_and_save(args, run, step):
         stopping = (stop_requested() and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
     if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
         raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
+
+
+def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
+    """The step's metrics.jsonl line: the rewards and replies summed over the ranks, the update's statistics."""
+    samples = groups["samples"]
+    drawn = groups.get("drawn", groups)  # the policy's own rewards: also of the groups dynamic sampling left out
+    names = [f"reward/{name}" for name in run.train_task.reward_terms]
+    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
+    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)), groups=len(drawn["rewards"]),
+                 replies=drawn["task_rewards"].numel(), reward=drawn["task_rewards"].sum(),
+                 reward_group_std=drawn["rewards"].std(dim=1).sum(), equal_groups=signal_less_groups(drawn, args).sum(),
+                 kept_groups=len(groups["prompts"]), kept_replies=groups["task_rewards"].numel(), rounds=rounds,
+                 reward_kept=groups["task_rewards"].sum(), equal_groups_kept=batch["equal_groups"].sum(),
+                 reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
+                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
+                 overlong_penalty=groups["penalty"].sum(), questions=rounds * len(groups["prompts"]), **episodes)
+    sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
+                                                   device=run.device)).tolist()))  # over all ranks
+    kept = sums["kept_replies"]
+    state_mb = torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20, dtype=torch.float64, device=run.device)
+    return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
+            "reward_group_std": sums["reward_group_std"] / sums["groups"],
+            "equal_group_frac": sums["equal_groups"] / sums["groups"],
+            **{name: sums[name] / sums["replies"] for name in names}, **stats,
+            **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
+                "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
+            **{name: sums[name] / kept for name in ("reply_len", "truncated_frac", "overlong_penalty", *episodes)},
+            "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
+            "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
+            "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
+            "optimizer_state_mb": all_reduce(state_mb, dist.ReduceOp.MAX).item(),  # the largest rank's
+            "peak_mem_mb": (torch.cuda.max_memory_allocated(run.device) / 2 ** 20 if run.device.type == "cuda"
+                            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "wall_time": time.time() - run.wall_start}
 
 
 def stop_requested():
@@ -1097,8 +1087,8 @@ def main(argv=None):
                     compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
                 leave_process_group()
                 return run.model
-        except OSError as e:
-            if e.errno not in WRITE_ERRNOS:
+        except OSError as e:  # a write refused (disk full, quota, read-only, permissions): the user's to fix, not a bug
+            if e.errno not in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}:
                 raise
             stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
                      "free disk space or make the folder writable")
@@ -1122,8 +1112,7 @@ def main(argv=None):
                      "longer)")
 
 
-def launched():
-    """-> (this process's rank, the number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1."""
+def launched():  # -> (rank, number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -1157,12 +1146,8 @@ def out_of_memory(args, world_size, trace):
 
 
 OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")  # what out_of_memory reports against
-# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 # A stop signal during the steps (--save-on-stop), its name and when it came: end_of_step saves the step and stops.
 STOP = {"received": None, "since": 0.0, "at_step_end": False}
-# Under torchrun a job's signal reaches each worker twice (forwarded): a repeat within this many seconds is one stop.
-SIGNAL_REPEAT_SECONDS = 2.0
 
 
 @contextmanager
@@ -1183,7 +1168,8 @@ def stop_at_step_end(signum, frame):
     """Signal handler: during the steps the first stop signal is noted and the step goes on (end_of_step saves it);
     a second one (not a torchrun repeat), or one outside the steps, stops at once (after a write under way)."""
     name, now = signal.Signals(signum).name, time.monotonic()
-    repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
+    # under torchrun a job's signal reaches each worker twice (forwarded): a repeat within 2 s is one stop
+    repeat = 2.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
     if STOP["received"] == name and now - STOP["since"] < repeat:
         return
     first = STOP["at_step_end"] and not STOP["received"]
