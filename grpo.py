@@ -951,8 +951,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
             f"| {metrics['tokens_per_s']:.0f} tok/s")
     run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
-    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
-        run.signal_less_steps = math.inf
+    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a streak: the count goes past it while the streak lasts
         run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
                 f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
                 "from. What usually helps: an easier task or a curriculum, a grader that gives partial credit, a start "
@@ -998,10 +997,10 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
     names = [f"reward/{name}" for name in run.train_task.reward_terms]
     episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
     local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)), groups=len(drawn["rewards"]),
-                 replies=drawn["task_rewards"].numel(), reward=drawn["task_rewards"].sum(),
-                 reward_group_std=drawn["rewards"].std(dim=1).sum(), equal_groups=signal_less_groups(drawn, args).sum(),
-                 kept_groups=len(groups["prompts"]), kept_replies=groups["task_rewards"].numel(), rounds=rounds,
-                 reward_kept=groups["task_rewards"].sum(), equal_groups_kept=batch["equal_groups"].sum(),
+                 replies=drawn["task_rewards"].numel(), reward=drawn["task_rewards"].sum(), rounds=rounds,
+                 reward_group_std=drawn["rewards"].std(dim=1).sum(), kept_replies=groups["task_rewards"].numel(),
+                 equal_group_frac=signal_less_groups(drawn, args).sum(), equal_groups_kept=batch["equal_groups"].sum(),
+                 kept_groups=len(groups["prompts"]), reward_kept=groups["task_rewards"].sum(),
                  reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
                  tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), questions=rounds * len(groups["prompts"]), **episodes)
@@ -1010,8 +1009,7 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
     kept = sums["kept_replies"]
     state_mb = torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20, dtype=torch.float64, device=run.device)
     return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
-            "reward_group_std": sums["reward_group_std"] / sums["groups"],
-            "equal_group_frac": sums["equal_groups"] / sums["groups"],
+            **{name: sums[name] / sums["groups"] for name in ("reward_group_std", "equal_group_frac")},
             **{name: sums[name] / sums["replies"] for name in names}, **stats,
             **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
                 "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
@@ -1106,10 +1104,9 @@ def main(argv=None):
             if STOP["received"]:  # signalled too (a terminal's Ctrl-C, a scheduler): the other ended on a second one
                 stop_run(run_dir, f"stopped by {STOP['received']}; {other} ended at once, on a second signal, before "
                          "this rank reached the step's end", "")
-            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
-                     f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
-                     "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
-                     "longer)")
+            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within --dist-timeout "
+                     f"{args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})", "look for the cause in the "
+                     "other ranks' output (a crash, a hung read; --dist-timeout allows longer)")
 
 
 def launched():  # -> (rank, number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1
@@ -1154,9 +1151,8 @@ STOP = {"received": None, "since": 0.0, "at_step_end": False}
 def stop_signals():
     """Ctrl-C, SIGTERM and SIGHUP (SLURM and other schedulers) end a run with the one-line stop, after a file being
     written is whole (model.writing); with --save-on-stop, after the step under way is saved (stop_at_step_end)."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a handler only the main thread may set
-    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in signals} \
-        if threading.current_thread() is threading.main_thread() else {}
+    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if threading.current_thread() is threading.main_thread()}  # a handler only the main thread may set
     try:
         yield
     finally:
@@ -1185,8 +1181,7 @@ def stop_at_step_end(signum, frame):
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
     False: the remedy changes an input --resume checks, so a new run). Only rank 0, which writes them, names one."""
-    rank = launched()[0]
-    if rank != 0:
+    if (rank := launched()[0]) != 0:
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
                  "checkpoint to go on from)")
     found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
