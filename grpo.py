@@ -699,11 +699,10 @@ def epoch_order(num_examples, seed, epoch, prompts_per_step):
     while done < epoch:
         done += 1
         straddled = done * num_examples % prompts_per_step  # questions of epoch done - 1 in the straddling step
-        held = set(order[num_examples - straddled:]) if straddled else set()
+        held = set(order[num_examples - straddled:])  # none when no step straddles
         shuffled = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1000 + done)).tolist()
-        free = [q for q in shuffled if q not in held][:prompts_per_step - straddled]  # the rest of that step
-        taken = set(free)
-        order = free + [q for q in shuffled if q not in taken]
+        taken = set([q for q in shuffled if q not in held][:prompts_per_step - straddled])  # the rest of that step
+        order = sorted(shuffled, key=lambda q: q not in taken)  # those first; both parts in the shuffled order
     EPOCH_ORDERS[key] = (done, order)
     return order
 
@@ -729,9 +728,8 @@ def plan_micro_batches(batch, args, static=None):
     """The update's micro-batches -> (a list of dicts of tensors, each with its minibatch's number; this rank's
     [num_minibatches, 2] loss denominator and policy tokens per minibatch; each row's minibatch [N]). Minibatch j:
     the replies whose global row is j modulo num_minibatches, so any number of ranks takes the same steps. --pack
-    fills passes of --tokens-per-pass tokens first-fit, longest first (the rows a pass shares depend on the rank's
-    share); --device-batch-size (always with --no-pack): runs of that many rows, question by question, longest
-    first. A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
+    fills passes of --tokens-per-pass tokens first-fit, longest first; --device-batch-size: runs of that many rows.
+    A pass holds the flat positions its log-probs are needed at: no forward pass asks the device (a sync)."""
     widths = batch["widths"].tolist()
     N, G = len(widths), args.num_samples
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -749,9 +747,8 @@ def plan_micro_batches(batch, args, static=None):
             passes = [rows[i:i + args.device_batch_size] for i in range(0, len(rows), args.device_batch_size)]
         for chunk in passes:
             width = max(widths[r] for r in chunk)
-            mb = {k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
-                                                       "sampler_logprobs")}
-            mb.update(minibatch=j, rows=torch.tensor(chunk))
+            mb = dict({k: batch[k][chunk, :width] for k in ("input_ids", "target_ids", "loss_mask", "sampled_mask",
+                                                            "sampler_logprobs")}, minibatch=j, rows=torch.tensor(chunk))
             if "pass_normalisers" in batch:  # nanochat's aggregation: each row's (micro_batch_denominator)
                 mb["pass_normalisers"] = batch["pass_normalisers"][chunk]
             if args.pack:  # the masks stay in the rows' layout
@@ -781,9 +778,8 @@ def update_stats(device):
                                       "tokens", "kl", "entropy", "sampler_gap", "teacher_kl")}
     # optimizer-step sums are not in `sums`: every rank holds the same weights and gradients, nothing to reduce
     return dict(sums=sums, ratio_min=zero + float("inf"), ratio_max=zero - float("inf"), steps=0,
-                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1,
-                skipped_updates=0, empty_updates=0, no_signal_updates=0,
-                weights_finite=torch.ones((), dtype=torch.bool, device=device))
+                grad_norm=zero.clone(), update_ratio=zero.clone(), weight_norm_factor=zero + 1, skipped_updates=0,
+                empty_updates=0, no_signal_updates=0, weights_finite=torch.ones((), dtype=torch.bool, device=device))
 
 
 @torch.no_grad()
@@ -832,12 +828,9 @@ def add_micro_batch_stats(stats, loss, parts, mask, stepped):
     """Add one micro-batch's loss and objective()'s parts; mask [B, T]; stepped: an optimizer step came before it."""
     sums = stats["sums"]
     sums["loss"] += loss
-    sums["loss_policy"] += parts["loss_policy"]
-    if "kl" in parts:
-        sums["loss_kl"] += parts["loss_kl"]
-    for name in ("kl", "teacher_kl", "entropy"):  # per token
+    for name in ("loss_policy", "loss_kl", "kl", "teacher_kl", "entropy"):  # the losses a pass, the rest per token
         if name in parts:
-            sums[name] += (parts[name] * mask).sum()
+            sums[name] += parts[name] if name.startswith("loss") else (parts[name] * mask).sum()
     if stepped:  # before the first optimizer step pi_theta is pi_old: rho = 1, nothing can clip
         clipped = parts["clipped"] * mask  # low side: rho < 1 - eps_low with A < 0; high: rho > 1 + eps_high, A > 0
         sums["clipped_low"] += (clipped * (parts["log_ratio"] < 0)).sum()
@@ -881,7 +874,6 @@ def state_bytes(entry):
 
 
 def optimizer_state_bytes(optimizers):
-    """The bytes of this rank's optimizer state."""
     return sum(state_bytes(entry) for opt in optimizers for entry in opt.state.values())
 
 
@@ -897,9 +889,8 @@ def lr_multiplier(step, args):
 
 def set_learning_rates(optimizers, step, args):
     multiplier = lr_multiplier(step, args)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
+    for group in (group for opt in optimizers for group in opt.param_groups):
+        group["lr"] = group["initial_lr"] * multiplier
     return multiplier
 
 
@@ -920,23 +911,20 @@ SAMPLE_COLUMNS = ["step", "index", "question", "reply", "reward", "advantage", "
 def log_samples(args, run, step, groups, batch):
     """--log-samples replies of rank 0's groups to samples.jsonl (and a wandb table): each group's best and worst
     reply side by side (an all-equal group's one), the groups the update learns from (rewards differ) first."""
-    if not (run.master and run.writes and args.log_samples):
-        return
     G, rewards, samples = args.num_samples, groups["rewards"], groups["samples"]
     equal, advantages = batch["equal_groups"].tolist(), batch["advantages"].tolist()  # one copy from the device
-    order = sorted(range(len(rewards)), key=lambda g: equal[g])  # a stable sort
-    rows = [g * G + int(pick(rewards[g])) for g in order  # an all-equal group's best is its worst: written once
+    rows = [g * G + int(pick(rewards[g])) for g in sorted(range(len(rewards)), key=lambda g: equal[g])
             for pick in ((torch.argmax,) if equal[g] else (torch.argmax, torch.argmin))][:args.log_samples]
-    table, episodes = [], []
+    table, lines = [], []
     for row in rows:
         index = int(groups["indices"][row // G])
         conversation, reply = graded(run.train_task, run.tokenizer, run.train_task[index], samples, row)
         table.append([step + 1, index, conversation["messages"][0]["content"], reply, rewards.flatten()[row].item(),
                       advantages[row], int(samples["lengths"][row]), bool(samples["truncated"][row])])
-        episodes.append(episode_of(conversation))  # an episode's turns, one by one (reply: its last)
+        # an episode's turns, one by one (reply: its last)
+        lines.append(json.dumps(dict(zip(SAMPLE_COLUMNS, table[-1]), **episode_of(conversation))) + "\n")
     with writing(), open(run.samples_path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(dict(zip(SAMPLE_COLUMNS, values), **episode)) + "\n"
-                     for values, episode in zip(table, episodes))
+        f.writelines(lines)
     if run.wandb:
         run.wandb.log({"samples": sys.modules["wandb"].Table(columns=SAMPLE_COLUMNS, data=table)}, step=step + 1)
 
@@ -946,13 +934,14 @@ WEIGHT_NORM_WARNING = 2.0  # one update changing the weights' norm by more warns
 
 
 def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start):
-    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due."""
+    """Log the step's metrics, warn, stop on non-finite weights or losses, evaluate and save when due, honour a stop."""
     if run.launcher is not None and os.getppid() != run.launcher:  # torchrun was killed: do not train on as an orphan
         stop_run(run.run_dir, f"the torchrun launcher (pid {run.launcher}) is gone", "")
     weights_finite = stats.pop("weights_finite")
     metrics = step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier)
     record(run, metrics)
-    log_samples(args, run, step, groups, batch)
+    if run.master and run.writes and args.log_samples:
+        log_samples(args, run, step, groups, batch)
     optional = "".join(f" | {label} {metrics[key]:{spec}}" for label, key, spec in (
         ("kl", "kl", ".4f"), ("teacher kl", "teacher_kl", ".4f"), ("clip", "clip_frac", ".3f"),
         ("turns", "episode_turns", ".2f")) if metrics.get(key) is not None)
@@ -962,8 +951,7 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
             f"logprobs {times['time_logprobs']:.2f}, update {times['time_update']:.2f}) "
             f"| {metrics['tokens_per_s']:.0f} tok/s")
     run.signal_less_steps = run.signal_less_steps + 1 if metrics["equal_group_frac"] == 1 and not run.teacher else 0
-    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a run: the count goes past it while the streak lasts
-        run.signal_less_steps = math.inf
+    if run.signal_less_steps == SIGNAL_LESS_STEPS:  # once a streak: the count goes past it while the streak lasts
         run.log(f"warning: steps {step + 2 - SIGNAL_LESS_STEPS}-{step + 1}: in every group all replies got the same "
                 f"reward (equal groups 1.00, mean reward {metrics['reward']:.3f}), so no update had anything to learn "
                 "from. What usually helps: an easier task or a curriculum, a grader that gives partial credit, a start "
@@ -982,7 +970,24 @@ def end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multipl
                    else f"{run.bad_steps} steps in a row had a non-finite loss")
         stop_run(run.run_dir, f"step {step + 1}: {problem}; stopped without saving",
                  "lower the learning rates or set --grad-clip (a resumed run may change those)")
-    evaluate_and_save(args, run, step)
+    last = step + 1 == args.num_steps
+    stopping = STOP["at_step_end"] and stop_requested()  # a stop signal on any rank: every rank saves, stops
+    evaluated = True  # the step's eval, when due, ran to its end
+    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+        if stopping:  # saved first: an eval (minutes on a GPU) would outlast a launcher's grace period
+            run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
+        evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
+                                              args.eval_examples) is not None
+        stopping = not evaluated  # a stop signal during the eval abandoned it
+    if not run.bad_steps and (stopping or last or (args.save_every and (step + 1) % args.save_every == 0)):
+        optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
+        if run.master:
+            save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
+                                run.config, args.keep_states)
+        # Every rank waits for rank 0's write: one that ended early would start the launcher's kill clock (30 s)
+        stopping = (stop_requested() and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
+    if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
+        raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
 
 
 def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multiplier):
@@ -990,30 +995,25 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
     samples = groups["samples"]
     drawn = groups.get("drawn", groups)  # the policy's own rewards: also of the groups dynamic sampling left out
     names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)))
-    local.update(groups=len(drawn["rewards"]), replies=drawn["task_rewards"].numel(),
-                 reward=drawn["task_rewards"].sum(), reward_group_std=drawn["rewards"].std(dim=1).sum(),
-                 equal_groups=signal_less_groups(drawn, args).sum(), kept_groups=len(groups["prompts"]),
-                 kept_replies=groups["task_rewards"].numel(), reward_kept=groups["task_rewards"].sum(),
-                 equal_groups_kept=batch["equal_groups"].sum(),
-                 tokens=samples["lengths"].sum().item(), truncated=samples["truncated"].sum().item(),
-                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
-                 overlong_penalty=groups["penalty"].sum(), rounds=rounds, questions=rounds * len(groups["prompts"]))
     episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
-    local.update(episodes)
+    local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)), groups=len(drawn["rewards"]),
+                 replies=drawn["task_rewards"].numel(), reward=drawn["task_rewards"].sum(), rounds=rounds,
+                 reward_group_std=drawn["rewards"].std(dim=1).sum(), kept_replies=groups["task_rewards"].numel(),
+                 equal_group_frac=signal_less_groups(drawn, args).sum(), equal_groups_kept=batch["equal_groups"].sum(),
+                 kept_groups=len(groups["prompts"]), reward_kept=groups["task_rewards"].sum(),
+                 reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
+                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
+                 overlong_penalty=groups["penalty"].sum(), questions=rounds * len(groups["prompts"]), **episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
     kept = sums["kept_replies"]
     state_mb = torch.tensor(optimizer_state_bytes(run.optimizers) / 2 ** 20, dtype=torch.float64, device=run.device)
     return {"step": step + 1, "reward": sums["reward"] / sums["replies"],
-            "reward_group_std": sums["reward_group_std"] / sums["groups"],
-            "equal_group_frac": sums["equal_groups"] / sums["groups"],
+            **{name: sums[name] / sums["groups"] for name in ("reward_group_std", "equal_group_frac")},
             **{name: sums[name] / sums["replies"] for name in names}, **stats,
             **({"reward_kept": sums["reward_kept"] / kept,  # dynamic sampling: what the update saw
                 "equal_group_frac_kept": sums["equal_groups_kept"] / sums["kept_groups"]} if "drawn" in groups else {}),
-            "reply_len": sums["tokens"] / kept, "truncated_frac": sums["truncated"] / kept,
-            "overlong_penalty": sums["overlong_penalty"] / kept,
-            **{name: sums[name] / kept for name in episodes},  # episodes: turns, how they ended
+            **{name: sums[name] / kept for name in ("reply_len", "truncated_frac", "overlong_penalty", *episodes)},
             "sampling_rounds": sums["rounds"] / run.world_size, "questions_drawn": sums["questions"],
             "tokens_sampled": sums["tokens_sampled"],  # every reply's, kept or not
             "lr_multiplier": lr_multiplier, **times, "tokens_per_s": sums["tokens_sampled"] / times["time_sample"],
@@ -1023,30 +1023,7 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
             "wall_time": time.time() - run.wall_start}
 
 
-def evaluate_and_save(args, run, step):
-    """The step's eval and checkpoint when due; a stop signal received on any rank ends the run here, saved."""
-    last = step + 1 == args.num_steps
-    stopping = STOP["at_step_end"] and stop_requested(run)  # a stop signal on any rank: every rank saves, stops
-    evaluated = True  # the step's eval, when due, ran to its end
-    if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
-        if stopping:  # saved first: an eval (minutes on a GPU) would outlast a launcher's grace period
-            run.log(f"step {step + 1}: eval skipped ({stop_name()}): the step is saved first; --resume runs it")
-        evaluated = not stopping and run_eval(args, run, step + 1, args.final_eval_examples if last else
-                                              args.eval_examples) is not None
-        stopping = not evaluated  # a stop signal during the eval abandoned it
-    due = (args.save_every and (step + 1) % args.save_every == 0) or last
-    if not run.bad_steps and (due or stopping):
-        optimizer_states = gathered_optimizer_states(run.optimizers, run.owners)  # every rank takes part
-        if run.master:
-            save_training_state(run.run_dir, run.tag, step + 1, run.model, run.ref_model, optimizer_states,
-                                run.config, args.keep_states)
-        # Every rank waits for rank 0's write: one that ended early would start the launcher's kill clock (30 s)
-        stopping = (stop_requested(run) and STOP["at_step_end"]) or stopping  # the barrier; a stop during the save
-    if stopping and not (last and evaluated):  # a last step whose eval a stop skipped: --resume runs it
-        raise KeyboardInterrupt(f"{stop_name()} at the end of step {step + 1}")
-
-
-def stop_requested(run):
+def stop_requested():
     """Whether a stop signal reached any rank (one small all-reduce a step on several; on one, no device read)."""
     return all_reduce(torch.tensor(float(STOP["received"] is not None)), dist.ReduceOp.MAX).item() > 0
 
@@ -1108,8 +1085,8 @@ def main(argv=None):
                     compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
                 leave_process_group()
                 return run.model
-        except OSError as e:
-            if e.errno not in WRITE_ERRNOS:
+        except OSError as e:  # a write refused (disk full, quota, read-only, permissions): the user's to fix, not a bug
+            if e.errno not in {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}:
                 raise
             stop_run(run_dir, f"cannot write {e.filename or 'into ' + run_dir}: {e.strerror}",
                      "free disk space or make the folder writable")
@@ -1127,14 +1104,12 @@ def main(argv=None):
             if STOP["received"]:  # signalled too (a terminal's Ctrl-C, a scheduler): the other ended on a second one
                 stop_run(run_dir, f"stopped by {STOP['received']}; {other} ended at once, on a second signal, before "
                          "this rank reached the step's end", "")
-            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within "
-                     f"--dist-timeout {args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})",
-                     "look for the cause in the other ranks' output (a crash, a hung read; --dist-timeout allows "
-                     "longer)")
+            stop_run(run_dir, f"rank {rank} of {world_size}: lost {other}, which did not answer within --dist-timeout "
+                     f"{args.dist_timeout} s or ended ({str(e).splitlines()[0][:200]})", "look for the cause in the "
+                     "other ranks' output (a crash, a hung read; --dist-timeout allows longer)")
 
 
-def launched():
-    """-> (this process's rank, the number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1."""
+def launched():  # -> (rank, number of processes), as torchrun sets them; a plain `python grpo.py`: 0 of 1
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -1168,21 +1143,16 @@ def out_of_memory(args, world_size, trace):
 
 
 OOM_PHASES = ("sample_groups", "frozen_logprobs", "policy_update", "evaluate")  # what out_of_memory reports against
-# A write that the machine refused (disk full, quota, read-only, permissions): the user's to fix, not a bug of ours.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 # A stop signal during the steps (--save-on-stop), its name and when it came: end_of_step saves the step and stops.
 STOP = {"received": None, "since": 0.0, "at_step_end": False}
-# Under torchrun a job's signal reaches each worker twice (forwarded): a repeat within this many seconds is one stop.
-SIGNAL_REPEAT_SECONDS = 2.0
 
 
 @contextmanager
 def stop_signals():
     """Ctrl-C, SIGTERM and SIGHUP (SLURM and other schedulers) end a run with the one-line stop, after a file being
     written is whole (model.writing); with --save-on-stop, after the step under way is saved (stop_at_step_end)."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a handler only the main thread may set
-    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in signals} \
-        if threading.current_thread() is threading.main_thread() else {}
+    previous = {sig: signal.signal(sig, stop_at_step_end) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if threading.current_thread() is threading.main_thread()}  # a handler only the main thread may set
     try:
         yield
     finally:
@@ -1194,7 +1164,8 @@ def stop_at_step_end(signum, frame):
     """Signal handler: during the steps the first stop signal is noted and the step goes on (end_of_step saves it);
     a second one (not a torchrun repeat), or one outside the steps, stops at once (after a write under way)."""
     name, now = signal.Signals(signum).name, time.monotonic()
-    repeat = SIGNAL_REPEAT_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0  # under torchrun
+    # under torchrun a job's signal reaches each worker twice (forwarded): a repeat within 2 s is one stop
+    repeat = 2.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
     if STOP["received"] == name and now - STOP["since"] < repeat:
         return
     first = STOP["at_step_end"] and not STOP["received"]
@@ -1210,8 +1181,7 @@ def stop_at_step_end(signum, frame):
 def stop_run(run_dir, problem, remedy, resume=True):
     """Exit with one line: what went wrong, the run's newest complete checkpoint, and how to go on from it (resume
     False: the remedy changes an input --resume checks, so a new run). Only rank 0, which writes them, names one."""
-    rank = launched()[0]
-    if rank != 0:
+    if (rank := launched()[0]) != 0:
         sys.exit(f"error: {problem}" + (f"; {remedy}" if remedy else "") + f" (rank {rank}: rank 0's line names the "
                  "checkpoint to go on from)")
     found = sorted((s, d) for d in glob.glob(os.path.join(glob.escape(run_dir), "chatrl_checkpoints", "*"))
@@ -2644,7 +2614,7 @@ def run_eval(args, run, step, num_examples):
     eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
     abandoned it (it only reads: the step is saved at once, end_of_step)."""
     run.model.eval()
-    stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
+    stop = stop_requested if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
     try:
         result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
