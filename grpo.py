@@ -240,7 +240,8 @@ def sample_groups(model, tokenizer, task, indices, seeds, args, autocast):
                        for name, weight in args.reward_weights.items())
     penalty = torch.zeros_like(task_rewards)
     if args.overlong_buffer:  # DAPO: cut-off and nearly cut-off replies lose reward, so length is learned too
-        penalty = overlong_penalty(samples["lengths"], args.max_new_tokens, args.overlong_buffer).view(-1, G)
+        # the tokens the policy sampled: not an environment's turns or a tool's output, which it did not write
+        penalty = overlong_penalty(samples["mask"].sum(dim=1), args.max_new_tokens, args.overlong_buffer).view(-1, G)
     # [P, G, weighted terms + 1]: the terms --reward-weights combines, then the shaping penalty (weight 1)
     reward_parts = torch.stack([terms[..., task.reward_terms.index(name)] for name in args.reward_weights]
                                + [penalty], dim=-1)
@@ -649,7 +650,7 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     if still short, equal groups fill the batch up. A round's questions and noise are pure functions of (seed,
     step, rank, round), so a resumed run draws the same ones. -> (the groups, as sample_groups returns them, with
     "drawn": the reward terms, task rewards, rewards and reward parts [R * P, ...] of every group sampled, for the
-    policy's own reward in the log, and the lengths of all their replies; rounds)"""
+    policy's own reward in the log, and the tokens sampled in each of their replies; rounds)"""
     wanted, G = len(first["prompts"]), args.num_samples
     parts, differing = [first], [~signal_less_groups(first, args)]  # differing: [P] bool per round
     while len(parts) < args.max_sampling_rounds and sum(int(d.sum()) for d in differing) < wanted:
@@ -663,7 +664,7 @@ def dynamic_sampling(first, model, tokenizer, task, step, rank, args, autocast):
     groups = {k: torch.stack([parts[p][k][g] for p, g in kept]) for k in first if k not in ("prompts", "samples")}
     samples = {k: torch.cat([parts[p]["samples"][k][g * G:(g + 1) * G] for p, g in kept]) for k in first["samples"]}
     drawn = {k: torch.cat([part[k] for part in parts]) for k in ("terms", "task_rewards", "rewards", "reward_parts")}
-    drawn["lengths"] = torch.cat([part["samples"]["lengths"] for part in parts])  # [R * P * G], every reply sampled
+    drawn["sampled"] = torch.cat([part["samples"]["mask"].sum(dim=1) for part in parts])  # [R * P * G]: every reply
     return dict(groups, prompts=[parts[p]["prompts"][g] for p, g in kept], samples=samples, drawn=drawn), len(parts)
 
 
@@ -995,14 +996,15 @@ def step_metrics(args, run, step, groups, batch, stats, times, rounds, lr_multip
     samples = groups["samples"]
     drawn = groups.get("drawn", groups)  # the policy's own rewards: also of the groups dynamic sampling left out
     names = [f"reward/{name}" for name in run.train_task.reward_terms]
-    episodes = episode_ends(run.tokenizer, samples) if run.train_task.respond else {}
+    episodes = (dict(episode_ends(run.tokenizer, samples), episode_len=samples["lengths"].sum().item())  # all tokens
+                if run.train_task.respond else {})
     local = dict(zip(names, drawn["terms"].flatten(0, 1).sum(dim=0)), groups=len(drawn["rewards"]),
                  replies=drawn["task_rewards"].numel(), reward=drawn["task_rewards"].sum(), rounds=rounds,
                  reward_group_std=drawn["rewards"].std(dim=1).sum(), kept_replies=groups["task_rewards"].numel(),
                  equal_group_frac=signal_less_groups(drawn, args).sum(), equal_groups_kept=batch["equal_groups"].sum(),
                  kept_groups=len(groups["prompts"]), reward_kept=groups["task_rewards"].sum(),
-                 reply_len=samples["lengths"].sum().item(), truncated_frac=samples["truncated"].sum().item(),
-                 tokens_sampled=(drawn["lengths"] if "drawn" in groups else samples["lengths"]).sum().item(),
+                 reply_len=samples["mask"].sum().item(), truncated_frac=samples["truncated"].sum().item(),  # sampled
+                 tokens_sampled=(drawn["sampled"] if "drawn" in groups else samples["mask"]).sum().item(),
                  overlong_penalty=groups["penalty"].sum(), questions=rounds * len(groups["prompts"]), **episodes)
     sums = dict(zip(local, all_reduce(torch.tensor(list(local.values()), dtype=torch.float64,
                                                    device=run.device)).tolist()))  # over all ranks
@@ -1946,7 +1948,8 @@ arg("--mask-truncated", action=argparse.BooleanOptionalAction, help="leave cut-o
 arg("--dynamic-sampling", action=argparse.BooleanOptionalAction, help="DAPO: resample until groups' rewards differ")
 arg("--max-sampling-rounds", type=at_least(1), default=4, help="--dynamic-sampling: sampling rounds per step at most",
     idle=[(lambda a: not a.dynamic_sampling, "it bounds --dynamic-sampling, which is off")])
-arg("--overlong-buffer", type=at_least(0), help="DAPO: penalise replies in their last N tokens before the limit")
+arg("--overlong-buffer", type=at_least(0),
+    help="DAPO: penalise replies in their last N sampled tokens before the limit")
 arg("--entropy-coef", type=float, default=0.0, help="entropy bonus: the loss subtracts this x the entropy (nats)")
 arg("--rollout-correction", default="off", choices=["off", "tis", "mask"],
     help="correct for the sampler's own distribution: weight by min(pi_old / pi_sampler, C) or drop outside [1/C, C]")

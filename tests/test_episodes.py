@@ -531,6 +531,26 @@ def test_ask_plays_an_episode_and_prints_each_turn_as_the_task_graded_it(tmp_pat
     assert max(reward for _, reward in replies) == 3  # episodes ran to the task's end (a reply that quits ends sooner)
 
 
+def test_lengths_tokens_sampled_and_the_overlong_penalty_count_the_models_tokens_alone(tmp_path, monkeypatch):
+    # the environment's turns are forced, not sampled: reply_len, tokens_sampled and DAPO's overlong penalty count
+    # what the policy wrote; the whole episode's length is episode_len
+    (tmp_path / "counting.py").write_text(COUNTING_TASK)
+    played, penalised, play, penalty = [], [], grpo.play, grpo.overlong_penalty
+    monkeypatch.setattr(grpo, "play", lambda *a, **k: played.append(play(*a, **k)) or played[-1])
+    monkeypatch.setattr(grpo, "overlong_penalty", lambda lengths, *a: penalised.append(lengths) or penalty(lengths, *a))
+    grpo.main(base_flags(tmp_path, "count", "--task", f"{tmp_path / 'counting.py'}:Counting", "--max-turn-tokens", "2",
+                         "--max-new-tokens", "40", "--overlong-buffer", "20", "--num-steps", "1", "--eval-every", "0",
+                         "--prompts-per-step", "4"))
+    [samples], [lengths] = played, penalised
+    sampled = samples["mask"].sum(dim=1)
+    assert (sampled < samples["lengths"]).any() and torch.equal(lengths, sampled)
+    [metrics] = [json.loads(line) for line in open(tmp_path / "runs" / "count" / "metrics.jsonl") if '"reward"' in line]
+    assert metrics["reply_len"] == pytest.approx(sampled.double().mean().item())
+    assert metrics["tokens_sampled"] == sampled.sum().item()
+    assert metrics["episode_len"] == pytest.approx(samples["lengths"].double().mean().item())
+    assert metrics["overlong_penalty"] == pytest.approx(penalty(sampled, 40, 20).double().mean().item())
+
+
 def test_compare_plots_turns_and_correct_at_each_attempt(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.figure
