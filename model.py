@@ -835,7 +835,10 @@ def forced_run(tokenizer, start, text, end, room):
 def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced, ends, num_running):
     """The rows that just ended a turn (turn_ends [B]): the environment's answer to each queued to be forced, as
     call_tool's are; a row whose episode ends here ends (ends: generate's lengths, truncated, done, written in place)
-    -> (forced, num_forced, the rows still running)."""
+    -> (forced, num_forced, the rows still running). A turn that ends on the budget's last column has no room for an
+    answer: the environment is not asked, and the episode is cut there, as by any budget."""
+    if t + 1 == tokens.size(1):
+        return forced, num_forced, num_running
     ended = []
     running = turn_ends.nonzero().flatten().tolist()
     outputs = rows[running].tolist()

@@ -274,6 +274,16 @@ def test_an_environment_that_never_ends_is_ended_by_max_turns_and_its_episodes_r
     assert max(counts) == 3 and min(counts) < 3
 
 
+def test_a_turn_ending_on_the_last_column_is_cut_there_without_asking_the_environment():
+    # --max-turn-tokens 6 of a 7-token budget: the capped turn's end takes the last column, where no answer fits
+    respond, calls = answering([5] * 8)
+    samples = generate(random_model("smear-backout"), TOK, random_tokens(5, 9), 4, 7, seed=3, respond=respond,
+                       max_turn_tokens=6)
+    assert all(len(tokens) < 7 for _, tokens, _ in calls)  # never asked where its answer could not be used
+    capped = samples["tokens"][:, 6] == TOK.assistant_end
+    assert capped.any() and samples["truncated"][capped].all()  # cut by the budget, as a row cut mid-turn is
+
+
 class Scribbler:
     """An environment that writes on what it is given: its conversation (counting its calls there) and the turns."""
     def respond(self, conversation, episode):
