@@ -1883,6 +1883,8 @@ RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatc
              "inside any clip")
 NO_LORA = (lambda a: not a.lora_rank, "no adapters without --lora-rank")
 NOT_MUON = (lambda a: a.lora_rank or a.optimizer == "adamw", "it is --optimizer muon's (adamw: --lr; LoRA: --lora-lr)")
+ONE_TURN = (lambda a: a.attempts == 1 and (a.task in ("gsm8k", "sort") or a.task.endswith(".jsonl")),
+            "the task answers no turn (a built-in or .jsonl task, --attempts 1): its episodes are one reply")
 NO_EVALS = (lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-every 0: no evals")
 ASK_ONE = (lambda a: a.ask, "--ask answers one question")
 
@@ -1963,9 +1965,10 @@ arg("--max-new-tokens", type=at_least(1), default=256, help="reply length limit 
     "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)",
     role="sampling", idle=[(lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long")])
 arg("--max-turns", type=at_least(1), default=10, help="an episode's assistant turns at most, for a task that answers "
-    "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated")
+    "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated", idle=[ONE_TURN])
 arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: tokens sampled at most, then its "
-    "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated")
+    "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated",
+    idle=[ONE_TURN])
 arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
     "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
 arg("--temperature", type=float, default=1.0, help="sampling and log-prob temperature", role="sampling evaluated")

@@ -471,6 +471,12 @@ def test_attempts_need_the_turns_and_a_task_that_does_not_answer_itself(tmp_path
     assert isinstance(tasks.build("sort", "test", args), tasks.Attempts)
 
 
+def test_the_episode_flags_on_a_task_of_one_turn_get_an_idle_note():
+    notes = grpo.resolve_config(["--demo", "--max-turns", "3", "--max-turn-tokens", "4"]).notes
+    assert [note.split(" does nothing here: ")[0] for note in notes] == ["--max-turns", "--max-turn-tokens"]
+    assert grpo.resolve_config(["--demo", "--max-turns", "3", "--attempts", "3"]).notes == []  # episodes there
+
+
 def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_never_the_users_message():
     # the forced run <|user_start|> message <|user_end|> <|assistant_start|> fills the last of --max-new-tokens: the
     # reply the task grades is the empty one the model had no room for ("cut"), not the feedback (whose "2 attempts"
