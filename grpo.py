@@ -2566,7 +2566,6 @@ def resume(args, run):
         run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
     model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
-    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
     try:
         saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
         try:  # LoRA: the file holds the merged weights, see below
@@ -2575,12 +2574,29 @@ def resume(args, run):
             raise CheckpointFileError(model_path, f"{model_path} is not this run's model "
                                       f"({error_summary(e)})") from None
         # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
-        restore_training_state(run, load_tensors(state_path, mmap=True), state_path)
+        state = load_tensors(state_path, mmap=True)
+        try:  # the weights, optimizer states and reference of another run's state file: CheckpointFileError
+            if missing := master_weight_names(run.model) - set(state["master_weights"]):
+                raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
+            # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
+            run.model.load_state_dict(state["master_weights"], strict=False)
+            if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
+                raise ValueError(f"it holds {len(state['optimizers'])} optimizers, the run has {len(run.optimizers)}")
+            for opt, opt_state in zip(run.optimizers, state["optimizers"]):
+                if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
+                    params = [p for group in opt.param_groups for p in group["params"]]
+                    opt_state["state"] = {i: entry for i, entry in opt_state["state"].items()
+                                          if run.owners[id(params[i])] == run.rank}
+                for group, saved_group in zip(opt.param_groups, opt_state["param_groups"]):
+                    saved_group["initial_lr"] = group["initial_lr"]  # the flags' learning rates, not the saved ones
+                opt.load_state_dict(opt_state)
+            if run.ref_model not in (None, run.model):
+                run.ref_model.load_state_dict(state["ref_model"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+            raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
+                                      f"({error_summary(e)})") from None
     except CheckpointFileError as e:
         unusable_checkpoint("--resume", e, saved)
-    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
-        for group, lr in zip(opt.param_groups, lrs):
-            group["initial_lr"] = lr
     return step
 
 
@@ -2627,29 +2643,6 @@ def resumable(args, run_config, config, checkpoint_dir):
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
                  f"pass the original flags{': ' + original if original else ''}")
     return differing
-
-
-def restore_training_state(run, state, state_path):
-    """A state_<step>.pt's weights, optimizer states and reference into the run's; another's -> CheckpointFileError."""
-    try:
-        missing = master_weight_names(run.model) - set(state["master_weights"])
-        if missing:
-            raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
-        # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
-        run.model.load_state_dict(state["master_weights"], strict=False)
-        if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
-            raise ValueError(f"it holds {len(state['optimizers'])} optimizers, the run has {len(run.optimizers)}")
-        for opt, opt_state in zip(run.optimizers, state["optimizers"]):
-            if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
-                params = [p for group in opt.param_groups for p in group["params"]]
-                opt_state["state"] = {i: entry for i, entry in opt_state["state"].items()
-                                      if run.owners[id(params[i])] == run.rank}
-            opt.load_state_dict(opt_state)
-        if run.ref_model not in (None, run.model):
-            run.ref_model.load_state_dict(state["ref_model"])
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
-        raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
-                                  f"({error_summary(e)})") from None
 
 
 def read_config(path):
@@ -2740,8 +2733,7 @@ def run_eval(args, run, step, num_examples):
     return result
 
 
-def policy_name(args, run):
-    """The policy an evaluation reads, in words."""
+def policy_name(args, run):  # the policy an evaluation reads, in words
     return (f"the run's policy at step {run.start_step}" if args.resume else "random weights (--init scratch: an "
             "untrained model; --init <run folder> evaluates a trained one)" if args.init == "scratch" else
             f"the policy of {run.model.start_checkpoint}")
@@ -2749,29 +2741,26 @@ def policy_name(args, run):
 
 def evaluation_settings(args):
     """The task and sampling an evaluation runs with, and where they come from, in words."""
-    sampled = args.num_samples if args.ask else args.pass_k
-    problems = "" if args.ask else (f"{'all' if args.final_eval_examples < 0 else args.final_eval_examples} test "
-                                    "problems of ")
-    settings = (f"{problems}task {args.task}, greedy" + (f" and {sampled} sampled replies (--temperature "
-                                                        f"{args.temperature} --top-k {args.top_k})" if sampled else "")
-                + f" up to {args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
+    k = args.num_samples if args.ask else args.pass_k  # sampled replies a question
+    sampled = f" and {k} sampled replies (--temperature {args.temperature} --top-k {args.top_k})" if k else ""
+    count = "all" if args.final_eval_examples < 0 else args.final_eval_examples
+    settings = (("" if args.ask else f"{count} test problems of ") + f"task {args.task}, greedy{sampled} up to "
+                f"{args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
     if args.run_settings is None:
         return settings + ": the flags'" + ("" if args.init == "scratch" else " (no run folder of this program around "
                                             "the checkpoint)")
     path, unlike = args.run_settings
     return settings + f": the run's ({path})" + "".join(
-        f"; --{k.replace('_', '-')} {here} given here, the run's {then}" for k, (then, here) in unlike.items())
+        f"; --{name.replace('_', '-')} {here} given here, the run's {then}" for name, (then, here) in unlike.items())
 
 
 def ask(args, run):
     """--ask: the start policy's replies to one question, greedy then --num-samples sampled, graded when the question
     is one of the task's problems; the first lines name the policy and the settings. -> [(reply, reward or None)]."""
     task = run.train_task
-
-    def question(problem):
-        return next(m["content"] for m in reversed(problem["messages"]) if m["role"] == "user").strip()
-    known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
-                  if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
+    problems = (t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000)))  # a generated task's train
+    known = next((p for p in problems if args.ask.strip() == next(  # split can be endless: its first 10,000
+        m["content"] for m in reversed(p["messages"]) if m["role"] == "user").strip()), None)
     reference = known["messages"][-1]["content"] if known else None  # a short text answer is shown (a game's digit)
     shown_answer = f" (its answer: {reference})" if isinstance(reference, str) and len(reference) <= 80 and (
         reference.isprintable()) else ""
@@ -2813,8 +2802,7 @@ PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's 
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None, label="eval"):
     """Greedy replies scored by the task (eval_reward, its eval metrics) and pass@1..k from --pass-k samples. Rank r
     takes problems r, r + world_size, ...; sums are reduced over ranks. stop: called by every rank before each batch
-    (as often on each), raises Abandoned if true. label: rank 0's progress lines', with the time left (in a log file
-    after the first batch, then every PROGRESS_SECONDS, none at the end). -> (metrics, this rank's greedy replies)"""
+    (as often on each), raises Abandoned if so. label: the progress lines'. -> (metrics, this rank's greedy replies)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
@@ -2872,12 +2860,6 @@ def eval_score_key(config, watched=""):
     return f"eval_{watched + '_' if watched else ''}{config['scores'][watched]}"
 
 
-def watched_tasks(configurations):
-    """The names of the tasks any of these runs watched (--eval-task), in order of appearance."""
-    return list(dict.fromkeys(name for seeds in configurations for _, config, _ in seeds
-                              for name in config.get("scores", {}) if name))
-
-
 def compare_runs(run_dirs, plot_path):
     """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed. Runs that
     differ only in --seed are one configuration: a row of mean ± std over its seeds, a mean curve with a ±std band."""
@@ -2906,8 +2888,11 @@ def compare_runs(run_dirs, plot_path):
     clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, groups)]
-    watched = watched_tasks(groups)
-    episodes = episode_columns([metrics for seeds in groups for _, _, metrics in seeds])
+    runs = [run for seeds in groups for run in seeds]
+    watched = list(dict.fromkeys(name for _, c, _ in runs for name in c.get("scores", {}) if name))  # --eval-task's
+    episodes = sorted({k for _, _, metrics in runs for m in metrics for k in m  # where a run has episodes: its turns,
+                       if k == "episode_turns" or k.startswith("eval_correct@")},  # correct@1..N (--attempts)
+                      key=lambda k: (k != "episode_turns", len(k), k))
     table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
              + watched]  # a watched task's column: its eval score at the end
     for name, seeds, config in zip(names, groups, configs):
@@ -2933,7 +2918,7 @@ def compare_runs(run_dirs, plot_path):
               "settings a run has, or custom):")
         for name, flags in zip(names, differing):
             print(f"  {name.ljust(max(map(len, names)))}  {flags}")
-    plot_runs(names, groups, plot_path)
+    plot_runs(names, groups, watched, episodes, plot_path)
     return table
 
 
@@ -2942,9 +2927,8 @@ def preset_of(config):
     is grpo), its own --algo first where presets coincide; else "custom". Under GDPO --advantage is idle."""
     idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
     for name in sorted(PRESETS, key=lambda name: name != config["algo"]):
-        preset = dict(PRESETS[name])
-        if preset["clip_eps_high"] is None:  # as resolve_config sets it: the clip's upper side is its lower one
-            preset["clip_eps_high"] = preset["clip_eps"]
+        preset = dict(PRESETS[name])  # clip_eps_high None, as resolve_config sets it: the upper clip is the lower one
+        preset["clip_eps_high"] = preset["clip_eps_high"] or preset["clip_eps"]
         if all(k in idle or config.get(k) == v for k, v in preset.items()):
             return name
     return "custom"
@@ -2952,13 +2936,6 @@ def preset_of(config):
 
 def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
-
-
-def episode_columns(runs_metrics):
-    """The columns --compare adds where a run has episodes: turns (episode_turns), correct@1..N (--attempts)."""
-    keys = {k for metrics in runs_metrics for m in metrics for k in m
-            if k == "episode_turns" or k.startswith("eval_correct@")}
-    return sorted(keys, key=lambda k: (k != "episode_turns", len(k), k))
 
 
 def run_summary(config, metrics, watched=(), episodes=()):
@@ -2996,7 +2973,7 @@ def fmt(value):
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def plot_runs(names, configurations, plot_path):
+def plot_runs(names, configurations, watched, episodes, plot_path):
     """Train reward, eval score, KL and reply length against step, and where runs have episodes their turns and
     eval correct@1..N: one colour per configuration, the mean over its seeds with a ±std band."""
     try:
@@ -3008,7 +2985,6 @@ def plot_runs(names, configurations, plot_path):
         return
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference; dashed: to the teacher"),
               ("reply_len", "reply length")]
-    episodes = episode_columns([metrics for seeds in configurations for _, _, metrics in seeds])
     correct = [k for k in episodes if k.startswith("eval_correct@")]  # --attempts: eval correct within 1..N
     panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
     panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
@@ -3016,7 +2992,6 @@ def plot_runs(names, configurations, plot_path):
     fig, axes = plt.subplots(2, columns, figsize=(16 if columns == 3 else 11, 7), sharex=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    watched = watched_tasks(configurations)
     for ax, (key, title) in zip(axes.flat, panels):
         extras = watched if key is None else ["teacher_kl"] if key == "kl" else correct[1:] if key in correct else []
         for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
