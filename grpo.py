@@ -2701,17 +2701,18 @@ def run_eval(args, run, step, num_examples):
     run.model.eval()
     stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
+
+    def scores(model, task, of=""):  # -> (the metrics, this rank's greedy replies)
+        return evaluate(model, run.tokenizer, task, num_examples, args, run.rank, run.world_size, run.autocast, stop,
+                        label + of)
     try:
-        result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                   run.world_size, run.autocast, stop, label)
+        result, replies = scores(run.model, run.test_task)
         for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
-            watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
-                                  run.autocast, stop, f"{label}, {name}")
+            watched = scores(run.model, task, f", {name}")[0]
             result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
         if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
             with on_device(run.teacher, run.device, args.teacher_offload):
-                taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                     run.world_size, run.autocast, stop, f"{label}, the teacher")
+                taught = scores(run.teacher, run.test_task, ", the teacher")[0]
             result.update({f"teacher_{k}": v for k, v in taught.items()})
     except Abandoned:
         run.log(f"step {step}: eval abandoned ({stop_name()}); --resume runs it")
@@ -2888,10 +2889,9 @@ def compare_runs(run_dirs, plot_path):
     clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, groups)]
-    runs = [run for seeds in groups for run in seeds]
-    watched = list(dict.fromkeys(name for _, c, _ in runs for name in c.get("scores", {}) if name))  # --eval-task's
-    episodes = sorted({k for _, _, metrics in runs for m in metrics for k in m  # where a run has episodes: its turns,
-                       if k == "episode_turns" or k.startswith("eval_correct@")},  # correct@1..N (--attempts)
+    watched = list(dict.fromkeys(name for seeds in groups for _, c, _ in seeds for name in c.get("scores", {}) if name))
+    episodes = sorted({k for seeds in groups for _, _, metrics in seeds for m in metrics for k in m  # a run's episodes:
+                       if k == "episode_turns" or k.startswith("eval_correct@")},  # turns, correct@1..N (--attempts)
                       key=lambda k: (k != "episode_turns", len(k), k))
     table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
              + watched]  # a watched task's column: its eval score at the end
