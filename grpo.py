@@ -2607,10 +2607,9 @@ def same_version(run_dir):
     except (OSError, ValueError):  # resume says what is wrong with the file, or that there is nothing to resume
         return
     if version != VERSION:
-        start = glob.glob(os.path.join(run_dir, "chatrl_checkpoints", "*")) or [run_dir]
+        start = (glob.glob(os.path.join(run_dir, "chatrl_checkpoints", "*")) or [run_dir])[0]
         sys.exit(f"error: --resume: the run was written by grpo.py version {version}, this is version {VERSION}: "
-                 f"finish it with the version that started it, or start a new run from its checkpoint: --init "
-                 f"{start[0]}")
+                 f"finish it with the version that started it, or start a new run from its checkpoint: --init {start}")
 
 
 def resumable(args, run_config, config, checkpoint_dir):
@@ -2695,9 +2694,8 @@ class Abandoned(Exception):
 
 
 def run_eval(args, run, step, num_examples):
-    """Evaluate the policy at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
-    eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
-    abandoned it (it only reads: the step is saved at once, end_of_step)."""
+    """The eval at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
+    eval_only.jsonl and evals/eval_only_step_<step>.jsonl) -> the metrics, or None if a stop signal abandoned it."""
     run.model.eval()
     stop = (lambda: stop_requested(run)) if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
@@ -2714,7 +2712,7 @@ def run_eval(args, run, step, num_examples):
             with on_device(run.teacher, run.device, args.teacher_offload):
                 taught = scores(run.teacher, run.test_task, ", the teacher")[0]
             result.update({f"teacher_{k}": v for k, v in taught.items()})
-    except Abandoned:
+    except Abandoned:  # it only reads: the step is saved at once (end_of_step)
         run.log(f"step {step}: eval abandoned ({stop_name()}); --resume runs it")
         return None
     if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
@@ -2877,10 +2875,9 @@ def compare_runs(run_dirs, plot_path):
         if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
             config = dict(config, advantage="gdpo")
         key = json.dumps({k: v for k, v in config.items() if k not in seed_only}, sort_keys=True)
-        twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
-        if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
+        if twin := next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None):
             print(f"note: {run_dir} ran the same configuration with the same seed as {twin}: shown as its own row")
-            key += run_dir
+            key += run_dir  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
         configurations.setdefault(key, []).append((run_dir, config, metrics))
     groups = list(configurations.values())
     configs = [seeds[0][1] for seeds in groups]
@@ -2914,10 +2911,9 @@ def compare_runs(run_dirs, plot_path):
     differing = [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
                            else c.get(k) for k in differ}) for c in configs]
     if any(differing):
-        print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose "
-              "settings a run has, or custom):")
-        for name, flags in zip(names, differing):
-            print(f"  {name.ljust(max(map(len, names)))}  {flags}")
+        print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose settings a "
+              "run has, or custom):\n" + "\n".join(f"  {name.ljust(max(map(len, names)))}  {flags}"
+                                                    for name, flags in zip(names, differing)))
     plot_runs(names, groups, watched, episodes, plot_path)
     return table
 
@@ -2926,12 +2922,10 @@ def preset_of(config):
     """The preset whose algorithm flags a run ran with, whatever its --algo (reinforce with the ladder's four flags
     is grpo), its own --algo first where presets coincide; else "custom". Under GDPO --advantage is idle."""
     idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
-    for name in sorted(PRESETS, key=lambda name: name != config["algo"]):
-        preset = dict(PRESETS[name])  # clip_eps_high None, as resolve_config sets it: the upper clip is the lower one
-        preset["clip_eps_high"] = preset["clip_eps_high"] or preset["clip_eps"]
-        if all(k in idle or config.get(k) == v for k, v in preset.items()):
-            return name
-    return "custom"
+    # clip_eps_high None, as resolve_config sets it: the upper clip is the lower one
+    presets = {name: dict(p, clip_eps_high=p["clip_eps_high"] or p["clip_eps"]) for name, p in PRESETS.items()}
+    return next((name for name in sorted(presets, key=lambda name: name != config["algo"])
+                 if all(k in idle or config.get(k) == v for k, v in presets[name].items())), "custom")
 
 
 def metric_column(metrics, key):
@@ -2944,17 +2938,14 @@ def run_summary(config, metrics, watched=(), episodes=()):
     last = train[-1] if train else {}
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
-
-    def mean_of(key):  # over the steps that logged it
-        values = [m[key] for m in train if m.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
+    logged = {key: [m[key] for m in train if m.get(key) is not None] for key in ("clip_frac", "tokens_per_s")}
+    mean = {key: sum(v) / len(v) if v else None for key, v in logged.items()}  # over the steps that logged it
     return [len(train), sum(m["reward"] for m in train[-10:]) / len(train[-10:]) if train else None,
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-            last.get("kl"), last.get("teacher_kl"), mean_of("clip_frac"), last.get("reply_len"), last.get("wall_time"),
-            mean_of("tokens_per_s")] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
+            last.get("kl"), last.get("teacher_kl"), mean["clip_frac"], last.get("reply_len"), last.get("wall_time"),
+            mean["tokens_per_s"]] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
 
@@ -2967,10 +2958,9 @@ def across_seeds(values):
     return (sum(values) / len(values), torch.tensor(values, dtype=torch.float64).std().item())
 
 
-def fmt(value):
-    if isinstance(value, tuple):
-        return f"{value[0]:.3f}±{value[1]:.3f}"
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+def fmt(value):  # a table cell: mean±std over seeds, a float, "-" for none
+    return (f"{value[0]:.3f}±{value[1]:.3f}" if isinstance(value, tuple) else "-" if value is None
+            else f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
 def plot_runs(names, configurations, watched, episodes, plot_path):
