@@ -2575,7 +2575,7 @@ def resume(args, run):
                                       f"({error_summary(e)})") from None
         # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
         state = load_tensors(state_path, mmap=True)
-        try:  # the weights, optimizer states and reference of another run's state file: CheckpointFileError
+        try:  # the state file's weights, optimizer states and reference; another run's: CheckpointFileError
             if missing := master_weight_names(run.model) - set(state["master_weights"]):
                 raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
             # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
