@@ -2480,7 +2480,6 @@ def resume(args, run):
         run.log(f"note: resuming at step {step} with " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
                 + ": from here on the run differs from one that never stopped (kept in config.json as resumed_with)")
     model_path, state_path = (os.path.join(checkpoint_dir, f"{kind}_{step:06d}.pt") for kind in ("model", "state"))
-    fresh_lrs = [[group["initial_lr"] for group in opt.param_groups] for opt in run.optimizers]
     try:
         saved_model = load_checkpoint(checkpoint_dir, step, log=lambda line: None)[0]
         try:  # LoRA: the file holds the merged weights, see below
@@ -2489,12 +2488,29 @@ def resume(args, run):
             raise CheckpointFileError(model_path, f"{model_path} is not this run's model "
                                       f"({error_summary(e)})") from None
         # mapped, on the CPU: each rank reads only what it keeps (a sharded optimizer's share), moved to its device
-        restore_training_state(run, load_tensors(state_path, mmap=True), state_path)
+        state = load_tensors(state_path, mmap=True)
+        try:  # the state file's weights, optimizer states and reference; another run's: CheckpointFileError
+            if missing := master_weight_names(run.model) - set(state["master_weights"]):
+                raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
+            # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
+            run.model.load_state_dict(state["master_weights"], strict=False)
+            if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
+                raise ValueError(f"it holds {len(state['optimizers'])} optimizers, the run has {len(run.optimizers)}")
+            for opt, opt_state in zip(run.optimizers, state["optimizers"]):
+                if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
+                    params = [p for group in opt.param_groups for p in group["params"]]
+                    opt_state["state"] = {i: entry for i, entry in opt_state["state"].items()
+                                          if run.owners[id(params[i])] == run.rank}
+                for group, saved_group in zip(opt.param_groups, opt_state["param_groups"]):
+                    saved_group["initial_lr"] = group["initial_lr"]  # the flags' learning rates, not the saved ones
+                opt.load_state_dict(opt_state)
+            if run.ref_model not in (None, run.model):
+                run.ref_model.load_state_dict(state["ref_model"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+            raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
+                                      f"({error_summary(e)})") from None
     except CheckpointFileError as e:
         unusable_checkpoint("--resume", e, saved)
-    for opt, lrs in zip(run.optimizers, fresh_lrs):  # the flags' learning rates, not the saved ones
-        for group, lr in zip(opt.param_groups, lrs):
-            group["initial_lr"] = lr
     return step
 
 
@@ -2505,10 +2521,9 @@ def same_version(run_dir):
     except (OSError, ValueError):  # resume says what is wrong with the file, or that there is nothing to resume
         return
     if version != VERSION:
-        start = glob.glob(os.path.join(run_dir, "chatrl_checkpoints", "*")) or [run_dir]
+        start = (glob.glob(os.path.join(run_dir, "chatrl_checkpoints", "*")) or [run_dir])[0]
         sys.exit(f"error: --resume: the run was written by grpo.py version {version}, this is version {VERSION}: "
-                 f"finish it with the version that started it, or start a new run from its checkpoint: --init "
-                 f"{start[0]}")
+                 f"finish it with the version that started it, or start a new run from its checkpoint: --init {start}")
 
 
 def resumable(args, run_config, config, checkpoint_dir):
@@ -2541,29 +2556,6 @@ def resumable(args, run_config, config, checkpoint_dir):
         sys.exit(f"error: --resume with flags that differ from the run's ({', '.join(refused)}): "
                  f"pass the original flags{': ' + original if original else ''}")
     return differing
-
-
-def restore_training_state(run, state, state_path):
-    """A state_<step>.pt's weights, optimizer states and reference into the run's; another's -> CheckpointFileError."""
-    try:
-        missing = master_weight_names(run.model) - set(state["master_weights"])
-        if missing:
-            raise KeyError(f"no master weights for {', '.join(sorted(missing)[:3])}")
-        # what the file's bf16 embeddings rounded away; with LoRA the base matrices and the adapters
-        run.model.load_state_dict(state["master_weights"], strict=False)
-        if run.optimizers and len(state["optimizers"]) != len(run.optimizers):  # evaluating: the weights alone
-            raise ValueError(f"it holds {len(state['optimizers'])} optimizers, the run has {len(run.optimizers)}")
-        for opt, opt_state in zip(run.optimizers, state["optimizers"]):
-            if run.owners:  # a sharded optimizer keeps the state of this rank's weights only
-                params = [p for group in opt.param_groups for p in group["params"]]
-                opt_state["state"] = {i: entry for i, entry in opt_state["state"].items()
-                                      if run.owners[id(params[i])] == run.rank}
-            opt.load_state_dict(opt_state)
-        if run.ref_model not in (None, run.model):
-            run.ref_model.load_state_dict(state["ref_model"])
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
-        raise CheckpointFileError(state_path, f"{state_path} is not this run's training state "
-                                  f"({error_summary(e)})") from None
 
 
 def read_config(path):
@@ -2616,25 +2608,25 @@ class Abandoned(Exception):
 
 
 def run_eval(args, run, step, num_examples):
-    """Evaluate the policy at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
-    eval_only.jsonl and evals/eval_only_step_<step>.jsonl). -> the metrics, or None when a stop signal during the steps
-    abandoned it (it only reads: the step is saved at once, end_of_step)."""
+    """The eval at this step, into metrics.jsonl and evals/step_<step>.jsonl (--resume --eval-only: its own
+    eval_only.jsonl and evals/eval_only_step_<step>.jsonl) -> the metrics, or None if a stop signal abandoned it."""
     run.model.eval()
     stop = stop_requested if STOP["at_step_end"] else None  # every rank, between eval batches
     label = "--eval-only" if args.eval_only else f"step {step} eval"
+
+    def scores(model, task, of=""):  # -> (the metrics, this rank's greedy replies)
+        return evaluate(model, run.tokenizer, task, num_examples, args, run.rank, run.world_size, run.autocast, stop,
+                        label + of)
     try:
-        result, replies = evaluate(run.model, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                   run.world_size, run.autocast, stop, label)
+        result, replies = scores(run.model, run.test_task)
         for name, task in run.watched.items():  # --eval-task: does training on one task cost another?
-            watched, _ = evaluate(run.model, run.tokenizer, task, num_examples, args, run.rank, run.world_size,
-                                  run.autocast, stop, f"{label}, {name}")
+            watched = scores(run.model, task, f", {name}")[0]
             result.update({f"eval_{name}_{k[len('eval_'):]}": v for k, v in watched.items()})
         if run.teacher is not None and step == 0:  # the teacher's own score: the ceiling a distilled student heads for
             with on_device(run.teacher, run.device, args.teacher_offload):
-                taught, _ = evaluate(run.teacher, run.tokenizer, run.test_task, num_examples, args, run.rank,
-                                     run.world_size, run.autocast, stop, f"{label}, the teacher")
+                taught = scores(run.teacher, run.test_task, ", the teacher")[0]
             result.update({f"teacher_{k}": v for k, v in taught.items()})
-    except Abandoned:
+    except Abandoned:  # it only reads: the step is saved at once (end_of_step)
         run.log(f"step {step}: eval abandoned ({stop_name()}); --resume runs it")
         return None
     if run.world_size > 1:  # every greedy reply to rank 0, which writes them in problem order
@@ -2654,8 +2646,7 @@ def run_eval(args, run, step, num_examples):
     return result
 
 
-def policy_name(args, run):
-    """The policy an evaluation reads, in words."""
+def policy_name(args, run):  # the policy an evaluation reads, in words
     return (f"the run's policy at step {run.start_step}" if args.resume else "random weights (--init scratch: an "
             "untrained model; --init <run folder> evaluates a trained one)" if args.init == "scratch" else
             f"the policy of {run.model.start_checkpoint}")
@@ -2663,29 +2654,26 @@ def policy_name(args, run):
 
 def evaluation_settings(args):
     """The task and sampling an evaluation runs with, and where they come from, in words."""
-    sampled = args.num_samples if args.ask else args.pass_k
-    problems = "" if args.ask else (f"{'all' if args.final_eval_examples < 0 else args.final_eval_examples} test "
-                                    "problems of ")
-    settings = (f"{problems}task {args.task}, greedy" + (f" and {sampled} sampled replies (--temperature "
-                                                        f"{args.temperature} --top-k {args.top_k})" if sampled else "")
-                + f" up to {args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
+    k = args.num_samples if args.ask else args.pass_k  # sampled replies a question
+    sampled = f" and {k} sampled replies (--temperature {args.temperature} --top-k {args.top_k})" if k else ""
+    count = "all" if args.final_eval_examples < 0 else args.final_eval_examples
+    settings = (("" if args.ask else f"{count} test problems of ") + f"task {args.task}, greedy{sampled} up to "
+                f"{args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
     if args.run_settings is None:
         return settings + ": the flags'" + ("" if args.init == "scratch" else " (no run folder of this program around "
                                             "the checkpoint)")
     path, unlike = args.run_settings
     return settings + f": the run's ({path})" + "".join(
-        f"; --{k.replace('_', '-')} {here} given here, the run's {then}" for k, (then, here) in unlike.items())
+        f"; --{name.replace('_', '-')} {here} given here, the run's {then}" for name, (then, here) in unlike.items())
 
 
 def ask(args, run):
     """--ask: the start policy's replies to one question, greedy then --num-samples sampled, graded when the question
     is one of the task's problems; the first lines name the policy and the settings. -> [(reply, reward or None)]."""
     task = run.train_task
-
-    def question(problem):
-        return next(m["content"] for m in reversed(problem["messages"]) if m["role"] == "user").strip()
-    known = next((t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000))  # a generated task's
-                  if question(t[i]) == args.ask.strip()), None)  # train split can be endless: its first 10,000
+    problems = (t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000)))  # a generated task's train
+    known = next((p for p in problems if args.ask.strip() == next(  # split can be endless: its first 10,000
+        m["content"] for m in reversed(p["messages"]) if m["role"] == "user").strip()), None)
     reference = known["messages"][-1]["content"] if known else None  # a short text answer is shown (a game's digit)
     shown_answer = f" (its answer: {reference})" if isinstance(reference, str) and len(reference) <= 80 and (
         reference.isprintable()) else ""
@@ -2727,8 +2715,7 @@ PROGRESS_SECONDS = 30  # between two progress lines in a log file (a terminal's 
 def evaluate(model, tokenizer, task, num_examples, args, rank, world_size, autocast, stop=None, label="eval"):
     """Greedy replies scored by the task (eval_reward, its eval metrics) and pass@1..k from --pass-k samples. Rank r
     takes problems r, r + world_size, ...; sums are reduced over ranks. stop: called by every rank before each batch
-    (as often on each), raises Abandoned if true. label: rank 0's progress lines', with the time left (in a log file
-    after the first batch, then every PROGRESS_SECONDS, none at the end). -> (metrics, this rank's greedy replies)"""
+    (as often on each), raises Abandoned if so. label: the progress lines'. -> (metrics, this rank's greedy replies)"""
     n = len(task) if num_examples < 0 else min(num_examples, len(task))
     mine = list(range(rank, n, world_size))
     names = list(task.eval_metrics(task[0], ""))  # the task's metric names: the same for every reply
@@ -2786,12 +2773,6 @@ def eval_score_key(config, watched=""):
     return f"eval_{watched + '_' if watched else ''}{config['scores'][watched]}"
 
 
-def watched_tasks(configurations):
-    """The names of the tasks any of these runs watched (--eval-task), in order of appearance."""
-    return list(dict.fromkeys(name for seeds in configurations for _, config, _ in seeds
-                              for name in config.get("scores", {}) if name))
-
-
 def compare_runs(run_dirs, plot_path):
     """Side-by-side table of finished runs, and their curves on shared axes when matplotlib is installed. Runs that
     differ only in --seed are one configuration: a row of mean ± std over its seeds, a mean curve with a ±std band."""
@@ -2808,10 +2789,9 @@ def compare_runs(run_dirs, plot_path):
         if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
             config = dict(config, advantage="gdpo")
         key = json.dumps({k: v for k, v in config.items() if k not in seed_only}, sort_keys=True)
-        twin = next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None)
-        if twin is not None:  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
+        if twin := next((d for d, c, _ in configurations.get(key, []) if c.get("seed") == config.get("seed")), None):
             print(f"note: {run_dir} ran the same configuration with the same seed as {twin}: shown as its own row")
-            key += run_dir
+            key += run_dir  # a copy, or a rerun: counting it as one more seed would shrink the std for nothing
         configurations.setdefault(key, []).append((run_dir, config, metrics))
     groups = list(configurations.values())
     configs = [seeds[0][1] for seeds in groups]
@@ -2820,8 +2800,10 @@ def compare_runs(run_dirs, plot_path):
     clashes = {name for name in names if names.count(name) > 1}  # folders of the same name stay apart: add parent
     names = [os.path.join(os.path.basename(os.path.dirname(os.path.abspath(seeds[0][0]))), name) if name in clashes
              else name for name, seeds in zip(names, groups)]
-    watched = watched_tasks(groups)
-    episodes = episode_columns([metrics for seeds in groups for _, _, metrics in seeds])
+    watched = list(dict.fromkeys(name for seeds in groups for _, c, _ in seeds for name in c.get("scores", {}) if name))
+    episodes = sorted({k for seeds in groups for _, _, metrics in seeds for m in metrics for k in m  # a run's episodes:
+                       if k == "episode_turns" or k.startswith("eval_correct@")},  # turns, correct@1..N (--attempts)
+                      key=lambda k: (k != "episode_turns", len(k), k))
     table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
              + watched]  # a watched task's column: its eval score at the end
     for name, seeds, config in zip(names, groups, configs):
@@ -2843,11 +2825,10 @@ def compare_runs(run_dirs, plot_path):
     differing = [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
                            else c.get(k) for k in differ}) for c in configs]
     if any(differing):
-        print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose "
-              "settings a run has, or custom):")
-        for name, flags in zip(names, differing):
-            print(f"  {name.ljust(max(map(len, names)))}  {flags}")
-    plot_runs(names, groups, plot_path)
+        print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose settings a "
+              "run has, or custom):\n" + "\n".join(f"  {name.ljust(max(map(len, names)))}  {flags}"
+                                                    for name, flags in zip(names, differing)))
+    plot_runs(names, groups, watched, episodes, plot_path)
     return table
 
 
@@ -2855,24 +2836,14 @@ def preset_of(config):
     """The preset whose algorithm flags a run ran with, whatever its --algo (reinforce with the ladder's four flags
     is grpo), its own --algo first where presets coincide; else "custom". Under GDPO --advantage is idle."""
     idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
-    for name in sorted(PRESETS, key=lambda name: name != config["algo"]):
-        preset = dict(PRESETS[name])
-        if preset["clip_eps_high"] is None:  # as resolve_config sets it: the clip's upper side is its lower one
-            preset["clip_eps_high"] = preset["clip_eps"]
-        if all(k in idle or config.get(k) == v for k, v in preset.items()):
-            return name
-    return "custom"
+    # clip_eps_high None, as resolve_config sets it: the upper clip is the lower one
+    presets = {name: dict(p, clip_eps_high=p["clip_eps_high"] or p["clip_eps"]) for name, p in PRESETS.items()}
+    return next((name for name in sorted(presets, key=lambda name: name != config["algo"])
+                 if all(k in idle or config.get(k) == v for k, v in presets[name].items())), "custom")
 
 
 def metric_column(metrics, key):
     return [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
-
-
-def episode_columns(runs_metrics):
-    """The columns --compare adds where a run has episodes: turns (episode_turns), correct@1..N (--attempts)."""
-    keys = {k for metrics in runs_metrics for m in metrics for k in m
-            if k == "episode_turns" or k.startswith("eval_correct@")}
-    return sorted(keys, key=lambda k: (k != "episode_turns", len(k), k))
 
 
 def run_summary(config, metrics, watched=(), episodes=()):
@@ -2881,17 +2852,14 @@ def run_summary(config, metrics, watched=(), episodes=()):
     last = train[-1] if train else {}
     evals = metric_column(metrics, eval_score_key(config))
     pass_k = sorted((int(k.split("@")[1]), k) for k in (metrics[-1] if metrics else {}) if k.startswith("eval_pass@"))
-
-    def mean_of(key):  # over the steps that logged it
-        values = [m[key] for m in train if m.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
+    logged = {key: [m[key] for m in train if m.get(key) is not None] for key in ("clip_frac", "tokens_per_s")}
+    mean = {key: sum(v) / len(v) if v else None for key, v in logged.items()}  # over the steps that logged it
     return [len(train), sum(m["reward"] for m in train[-10:]) / len(train[-10:]) if train else None,
             max((m["reward"] for m in train), default=None),
             evals[0][1] if evals else None, evals[-1][1] if evals else None, max((v for _, v in evals), default=None),
             metrics[-1].get("eval_pass@1") if pass_k else None, metrics[-1].get(pass_k[-1][1]) if pass_k else None,
-            last.get("kl"), last.get("teacher_kl"), mean_of("clip_frac"), last.get("reply_len"), last.get("wall_time"),
-            mean_of("tokens_per_s")] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
+            last.get("kl"), last.get("teacher_kl"), mean["clip_frac"], last.get("reply_len"), last.get("wall_time"),
+            mean["tokens_per_s"]] + [next((m[k] for m in reversed(metrics) if k in m), None) for k in episodes] + [
         (metric_column(metrics, eval_score_key(config, name)) or [(None, None)])[-1][1]
         if name in config.get("scores", {}) else None for name in watched]
 
@@ -2904,13 +2872,12 @@ def across_seeds(values):
     return (sum(values) / len(values), torch.tensor(values, dtype=torch.float64).std().item())
 
 
-def fmt(value):
-    if isinstance(value, tuple):
-        return f"{value[0]:.3f}±{value[1]:.3f}"
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+def fmt(value):  # a table cell: mean±std over seeds, a float, "-" for none
+    return (f"{value[0]:.3f}±{value[1]:.3f}" if isinstance(value, tuple) else "-" if value is None
+            else f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
-def plot_runs(names, configurations, plot_path):
+def plot_runs(names, configurations, watched, episodes, plot_path):
     """Train reward, eval score, KL and reply length against step, and where runs have episodes their turns and
     eval correct@1..N: one colour per configuration, the mean over its seeds with a ±std band."""
     try:
@@ -2922,7 +2889,6 @@ def plot_runs(names, configurations, plot_path):
         return
     panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference; dashed: to the teacher"),
               ("reply_len", "reply length")]
-    episodes = episode_columns([metrics for seeds in configurations for _, _, metrics in seeds])
     correct = [k for k in episodes if k.startswith("eval_correct@")]  # --attempts: eval correct within 1..N
     panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
     panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
@@ -2930,7 +2896,6 @@ def plot_runs(names, configurations, plot_path):
     fig, axes = plt.subplots(2, columns, figsize=(16 if columns == 3 else 11, 7), sharex=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    watched = watched_tasks(configurations)
     for ax, (key, title) in zip(axes.flat, panels):
         extras = watched if key is None else ["teacher_kl"] if key == "kl" else correct[1:] if key in correct else []
         for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
