@@ -1858,6 +1858,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 #   sampling   how replies are sampled: an evaluation may change it
 #   evaluated  what an evaluation of a run's checkpoint reads from its config.json where no flag says otherwise
 #   unrecorded what the command does with a run, not what the run is: not in config.json
+#   episode    how an episode is played: an evaluation may change it (more retries than the run trained with)
 # idle: [(when, why)]: given while one holds, the flag does nothing; a note at start says why (the first that holds),
 # since a flag silently idle looks like a setting that was tried.
 ROLES, IDLE = {}, {}
@@ -1965,12 +1966,13 @@ arg("--max-new-tokens", type=at_least(1), default=256, help="reply length limit 
     "every token after the prompt, sampled and forced: the environment's turns and a tool's output count too)",
     role="sampling", idle=[(lambda a: a.eval_only or a.ask, "an evaluation's replies are --eval-max-new-tokens long")])
 arg("--max-turns", type=at_least(1), default=10, help="an episode's assistant turns at most, for a task that answers "
-    "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated", idle=[ONE_TURN])
+    "(respond, docs/tasks.md); the environment is not asked after the last", role="evaluated episode", idle=[ONE_TURN])
 arg("--max-turn-tokens", type=at_least(1), help="an episode's assistant turn: tokens sampled at most, then its "
-    "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)", role="evaluated",
-    idle=[ONE_TURN])
+    "<|assistant_end|> is forced and the environment answers (default: no cap but --max-new-tokens)",
+    role="evaluated episode", idle=[ONE_TURN])
 arg("--attempts", type=at_least(1), default=1, help="retries after feedback: a wrong reply is answered 'Your answer is "
-    "wrong. Try again (K attempts left).' until one is right or N attempts are spent (1: one reply)", role="evaluated")
+    "wrong. Try again (2 attempts left).' until one is right or N attempts are spent (1: one reply)",
+    role="evaluated episode")
 arg("--temperature", type=float, default=1.0, help="sampling and log-prob temperature", role="sampling evaluated")
 arg("--top-k", type=int, default=50, role="sampling evaluated", help="sample from the k likeliest tokens (0: all)")
 arg("--sample-batch-size", type=at_least(1), help="replies sampled per generate call, in whole groups: memory only, "
@@ -2539,7 +2541,8 @@ def resumable(args, run_config, config, checkpoint_dir):
                      f"{checkpoint_dir}")
     evaluating = bool(args.eval_only or args.ask)  # an evaluation reads the policy alone, and samples as it is told
     ignored = ("resumed_with", "inputs", "scores", "task_code") + flags_with("observes") + (
-        flags_with("teacher") + flags_with("sampling") + flags_with("machine") if evaluating else ())
+        flags_with("teacher") + flags_with("sampling") + flags_with("machine") + flags_with("episode") if evaluating
+        else ())
     differing = sorted(k for k in {**run_config, **config} if k not in ignored and config.get(k) != run_config.get(k))
     refused = [k for k in differing if k not in flags_with("step-size") + flags_with("spread") + ("world_size",)]
     if "num_steps" in refused and not evaluating:  # the schedule ends at the run's last step: more steps are a new run
@@ -2657,8 +2660,10 @@ def evaluation_settings(args):
     k = args.num_samples if args.ask else args.pass_k  # sampled replies a question
     sampled = f" and {k} sampled replies (--temperature {args.temperature} --top-k {args.top_k})" if k else ""
     count = "all" if args.final_eval_examples < 0 else args.final_eval_examples
+    episode = {k: vars(args)[k] for k in flags_with("episode")}
+    episodes = "" if ONE_TURN[0](args) else f", episodes of {as_flags(episode)}"
     settings = (("" if args.ask else f"{count} test problems of ") + f"task {args.task}, greedy{sampled} up to "
-                f"{args.eval_max_new_tokens} tokens (--eval-max-new-tokens)")
+                f"{args.eval_max_new_tokens} tokens (--eval-max-new-tokens){episodes}")
     if args.run_settings is None:
         return settings + ": the flags'" + ("" if args.init == "scratch" else " (no run folder of this program around "
                                             "the checkpoint)")

@@ -498,6 +498,11 @@ def test_evaluating_an_episode_run_takes_its_episode_flags(tmp_path):
     for evaluation in (["--eval-only"], ["--ask", "31415"]):
         args = grpo.resolve_config(["--demo", "--init", str(tmp_path / "episodes"), *evaluation])
         assert (args.attempts, args.max_turns, args.max_turn_tokens) == (2, 3, 4)
+        assert "episodes of --max-turns 3 --max-turn-tokens 4 --attempts 2" in grpo.evaluation_settings(args)
+    # more retries than it trained with: by --resume as by --init (an evaluation plays its episodes as it is told)
+    result = grpo.main(["--demo", "--resume", "--runs-dir", str(tmp_path), "--run-name", "episodes", "--eval-only",
+                        "--attempts", "3", "--final-eval-examples", "8"])
+    assert "eval_correct@3" in result
 
 
 COUNTING_TASK = """
