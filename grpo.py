@@ -1392,7 +1392,7 @@ def load_policy(args, log, shapes_only=False):
     except CheckpointFileError as e:
         unusable_checkpoint("--init", e, loadable_steps(checkpoint_dir))
     except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: --init: {e}")
     model.start_checkpoint = f"{checkpoint_dir}, step {meta.get('step')}"  # meta: a dict (read_meta checks it)
     model.start_step = meta.get("step", 0)  # what --eval-only's line names
     trained = meta.get("nanogrpo_config")  # a checkpoint of this program

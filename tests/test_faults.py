@@ -364,6 +364,8 @@ def test_bad_input_and_faults(case, pristine, tmp_path, monkeypatch, capsys):
     else:
         message = exit_info.value.code
         assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+        if case[0].startswith(("tokenizer-", "init-")):  # named by its flag, as --teacher's are
+            assert message.startswith("error: --init"), message
         assert text in message, message
     after = snapshot(w)
     assert {k: v for k, v in after.items() if k in before} == before, "a file saved before was changed"
