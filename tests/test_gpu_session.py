@@ -23,6 +23,13 @@ from conftest import ROOT
 SHARED = os.path.join(ROOT, "..", "shared")
 
 
+@pytest.fixture(autouse=True)
+def in_this_process(monkeypatch):
+    """main runs in the suite's process, which goes on after it: its watchdog is released when it returns (run as a
+    script, the watchdog watches the process until it is gone)."""
+    monkeypatch.setattr(gpu_session, "RELEASE_ON_RETURN", True)
+
+
 def rows_of(out):
     """-> (the session headers, the part rows) of DIR/results.jsonl; checks that DIR/results.md has the same rows."""
     lines = [json.loads(line) for line in open(out / "results.jsonl")]
@@ -263,11 +270,13 @@ def test_a_session_past_its_watchdog_is_ended_with_its_rows_and_the_running_part
     _, rows = rows_of(tmp_path)
     assert [(row["part"], row["status"]) for row in rows] == [("3a", "stopped"), ("3b", "ok"), ("4", "stopped"),
                                                               ("5a", "skipped")]
-    assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\): it did not end within 0 s of its stop \(a call that does "
-                        r"not return\) and was left behind", rows[0]["summary"])
+    assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\): it did not stop when asked \(still running 0 s after its "
+                        r"stop: a call that does not return, or code that caught the stop\) and was left behind",
+                        rows[0]["summary"])
     assert re.fullmatch(r"stopped at 1 s \(estimate 0 s\): the watchdog ended the session at 2 s", rows[2]["summary"])
     assert rows[3]["summary"] == "not started: the watchdog ended the session at 2 s"
-    line = "the watchdog ended the session at 2 s: the session ran past its 1 s budget; part 4 was running"
+    # the budget's 1.2 s printed as such (one decimal below 10 s), not "1 s"
+    line = "the watchdog ended the session at 2 s: the session ran past its 1.2 s budget; part 4 was running"
     assert open(tmp_path / "results.md").read().endswith(f"\n{line}\n") and f"[watchdog] {line}" in done.stdout
     assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["running"] == ["4"]
 
@@ -334,7 +343,7 @@ STAND_IN = textwrap.dedent(f"""
         open(os.path.join(out, name), "a").write(text)
     print(json.dumps([group.pid for group in groups]), flush=True)
     time.sleep(0.3)  # the watchdog waiting for its first event
-    events = [dict(start="1", estimate=1), dict(group=groups[0].pid), dict(start="2", estimate=1),
+    events = [dict(header=True), dict(start="1", estimate=1), dict(group=groups[0].pid), dict(start="2", estimate=1),
               dict(group=groups[1].pid), dict(start="3a", estimate=0), dict(end="3a"), dict(start="3b", estimate=0)]
     watchdog.stdin.write("".join(json.dumps(event) + "\\n" for event in events).encode())
     watchdog.stdin.flush()
@@ -421,13 +430,13 @@ def test_the_watchdog_covers_a_hang_before_torchs_import_ends(tmp_path):
         "start)\n")
 
 
-@pytest.mark.parametrize("budget", ["inf", "nan", "0", "-5", "581"])
+@pytest.mark.parametrize("budget", ["inf", "nan", "0", "-5", "561", "580"])
 def test_a_budget_the_device_cannot_hold_is_refused_in_one_line(tmp_path, capsys, budget):
     with pytest.raises(SystemExit) as stop:
         gpu_session.main(["--budget-s", budget, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: argument --budget-s: "), err
-    assert "at most 580" in err and not os.path.exists(tmp_path / "out")  # before anything ran
+    assert "at most 560" in err and not os.path.exists(tmp_path / "out")  # before anything ran
 
 
 def test_the_session_ends_the_processes_its_parts_started(tmp_path, monkeypatch):
