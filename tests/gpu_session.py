@@ -195,6 +195,7 @@ def append(path, text):
 
 
 WRITERS = set()  # the rows' writers at work (the session's end waits for them)
+WRITE_LOCK = threading.Lock()  # taken by a writer alone (never stopped): one row's two lines before the next's
 
 
 def write_both(out, jsonl, md):
@@ -203,8 +204,9 @@ def write_both(out, jsonl, md):
     two files."""
     def both():
         try:
-            append(os.path.join(out, "results.jsonl"), jsonl)
-            append(os.path.join(out, "results.md"), md)
+            with WRITE_LOCK:
+                append(os.path.join(out, "results.jsonl"), jsonl)
+                append(os.path.join(out, "results.md"), md)
         finally:
             WRITERS.discard(writer)
     writer = threading.Thread(target=both, name="a row's write")
@@ -604,6 +606,15 @@ def part_cuda_tests(s):
     return dict(status=status, summary=summary, counts=counts, failed=failed)
 
 
+def temporary_folder(s):
+    """-> a new folder under /tmp, removed by the part (then untold), by the session's end, or, where the session
+    dies or is ended by its watchdog, by the watchdog."""
+    path = tempfile.mkdtemp(prefix="gpu_session_runs_")
+    s.temps.add(path)
+    tell_watchdog(s, temp=path)
+    return path
+
+
 def part_main_command(s):
     checkpoint, gsm8k = os.path.join(s.shared, CHECKPOINT), os.path.join(s.shared, GSM8K)
     if not os.path.isdir(checkpoint) or not os.path.isfile(os.path.join(gsm8k, "train.jsonl")):
@@ -613,9 +624,7 @@ def part_main_command(s):
         # gain nothing from a second one, which would only take a core from this process beside it
         size = ["--device", "cpu", "--self-check", "--num-steps", "1", "--prompts-per-step", "1", "--num-samples", "2",
                 "--max-new-tokens", "8", "--threads", "1"]
-    runs = tempfile.mkdtemp(prefix="gpu_session_runs_")  # a run's checkpoints stay out of DIR
-    s.temps.add(runs)  # removed by the session's end or, where it dies, by the watchdog
-    tell_watchdog(s, temp=runs)
+    runs = temporary_folder(s)  # a run's checkpoints stay out of DIR
     try:
         status, lines = run_logged(s, "2", [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
                                             "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0",
@@ -1064,9 +1073,12 @@ def main(argv=None, started=None, early=None):
         s = settings(args, started)
         s.lock, s.watchdog, s.id, s.temps = early.lock, early.watchdog, early.id, early.temps
         run_session(s)
-    except (KeyboardInterrupt, Interrupted) as e:  # its line written, its processes ended below; then re-raised
+    except (KeyboardInterrupt, Interrupted) as e:  # its line written, its processes ended below; then the exit
+        # status of the signal, no traceback (re-raised where main's caller goes on)
         interrupted(early, s, e)
-        raise
+        if RELEASE_ON_RETURN:
+            raise
+        sys.exit(128 + (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals[str(e)]))
     finally:  # the watchdog told, what the session started ended (before a part's re-raised kill, too)
         end(early)
     if s.left_behind:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
@@ -1075,9 +1087,4 @@ def main(argv=None, started=None, early=None):
 
 
 if __name__ == "__main__":
-    try:
-        main(started=STARTED, early=EARLY)
-    except KeyboardInterrupt:  # its line said it (no traceback)
-        sys.exit(128 + signal.SIGINT)
-    except Interrupted:
-        sys.exit(128 + signal.SIGTERM)
+    main(started=STARTED, early=EARLY)
