@@ -1081,7 +1081,7 @@ def main(argv=None, started=None, early=None):
         sys.exit(128 + (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals[str(e)]))
     finally:  # the watchdog told, what the session started ended (before a part's re-raised kill, too)
         end(early)
-    if s.left_behind:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
+    if s.left_behind and not RELEASE_ON_RETURN:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
         print(f"the session ends here, leaving behind part {', '.join(s.left_behind)}", flush=True)
         os._exit(0)
 

@@ -219,7 +219,7 @@ def test_parts_past_their_deadlines_are_stopped_and_the_next_part_starts(tmp_pat
         return dict(zip(("status", "summary"), gpu_session.outcome(s, "1", status, "cuda_tests.log")))
 
     def running_on(s):
-        end = time.monotonic() + 5
+        end = time.monotonic() + 10
         while time.monotonic() < end:
             time.sleep(0.01)
         return dict(summary="ran to its end")
@@ -230,15 +230,17 @@ def test_parts_past_their_deadlines_are_stopped_and_the_next_part_starts(tmp_pat
     monkeypatch.setattr(gpu_session, "settings", on_the_gpus_schedule)
     begin = time.monotonic()
     gpu_session.main(["--smoke", "--out", str(tmp_path), "--parts", "1,3a,3b", "--shared", str(tmp_path / "no")])
-    assert time.monotonic() - begin < 4
+    # (bounds with room for a loaded machine: unstopped, 3a would run 10 s and part 1 30 s; dynamo's import, which
+    # set_stance makes, comes before part 1 starts: run alone, this test's process has it to do)
+    assert time.monotonic() - begin < 8
     _, rows = rows_of(tmp_path)
     by_part = {row["part"]: row for row in rows}
     assert [row["part"] for row in rows] == ["3a", "1", "3b"]
-    assert by_part["3a"]["status"] == "stopped" and 0.3 < by_part["3a"]["seconds"] < 1.2
+    assert by_part["3a"]["status"] == "stopped" and 0.39 < by_part["3a"]["seconds"] < 1.2
     assert re.fullmatch(r"stopped at 0 s \(estimate 0 s\)", by_part["3a"]["summary"])
     assert by_part["3b"]["status"] == "ok" and by_part["3b"]["summary"] == "ran"
-    assert by_part["1"]["clock_s"] <= by_part["3b"]["clock_s"] < by_part["1"]["clock_s"] + 0.5
-    assert by_part["1"]["status"] == "stopped" and 1.1 < by_part["1"]["seconds"] < 2.5
+    assert by_part["1"]["clock_s"] <= by_part["3b"]["clock_s"] < by_part["1"]["clock_s"] + 1.5
+    assert by_part["1"]["status"] == "stopped" and 1.19 < by_part["1"]["seconds"] < 4
     assert re.match(r"stopped at 1 s \(estimate 1 s\): what it wrote is in cuda_tests.log", by_part["1"]["summary"])
     pid = int(grandchild.read_text())
     for _ in range(100):  # killed with its group; reaped by whoever adopted it
