@@ -28,7 +28,7 @@ SHARED = os.path.join(ROOT, "..", "shared")
 def in_this_process(monkeypatch):
     """main runs in the suite's process, which goes on after it: its watchdog is released when it returns (run as a
     script, the watchdog watches the process until it is gone)."""
-    monkeypatch.setattr(gpu_session, "RELEASE_ON_RETURN", True)
+    monkeypatch.setattr(gpu_session, "RELEASE_ON_RETURN", True, raising=False)  # (raising: run on main before it)
 
 
 def rows_of(out):
@@ -596,7 +596,8 @@ def test_a_process_started_just_before_the_session_is_killed_is_killed_too(tmp_p
     script = session_script(tmp_path, f"""
         def part(s):
             time.sleep(0.5)
-            open({str(temp_file)!r}, "w").write(gpu_session.temporary_folder(s))
+            made = getattr(gpu_session, "temporary_folder", lambda s: __import__("tempfile").mkdtemp())(s)
+            open({str(temp_file)!r}, "w").write(made)
             subprocess.Popen(["setsid", "sh", "-c", "echo $$ > {pid_file}; trap '' TERM HUP INT; sleep 43; :"])
             time.sleep(30)
         gpu_session.PARTS["3a"] = part
