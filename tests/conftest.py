@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import sys
@@ -59,8 +60,9 @@ def repository_files():
     log, into its --out, which may be inside the repository; any other file a test writes there is seen): what a
     test may not change."""
     found = {}
+    listed = os.environ.get("NANOGRPO_SESSION_FILES", "")  # a JSON list (a path may hold os.pathsep)
     session_files = {os.path.realpath(path) for path in
-                     os.environ.get("NANOGRPO_SESSION_FILES", "").split(os.pathsep) if path}
+                     (json.loads(listed) if listed.startswith("[") else listed.split(os.pathsep)) if path}
 
     def left_out(path):
         return os.path.basename(path).startswith(".") or os.path.basename(path) == "__pycache__" or \

@@ -38,7 +38,8 @@ deadline; 3a, 6a and 6c wait for nothing.
 flash kernels through their strict stand-ins (tests/kernels.py), the main command in float32 with --self-check.
 
 The budget's clock starts with the process (before torch's import), so --budget-s counts the imports and CUDA's
-start too (STARTUP in the plan); more than 0 and at most 580 s, else refused in one line. Before torch's import,
+start too (STARTUP in the plan); more than 0 and at most 560 s (the watchdog, WATCHDOG_AFTER past the budget, at least
+WATCHDOG_BEFORE_LIMIT before the device's 600 s limit), else refused in one line. Before torch's import,
 the arguments and --out are checked and a watchdog is started, a process of its own (tests/session_watchdog.py: it
 acts even where a hung call, torch's import or CUDA's start included, holds this process's interpreter): it ends
 the session WATCHDOG_AFTER seconds past the budget (560 s for the default 540, 40 s before the device tool's 600 s
@@ -129,7 +130,12 @@ SMOKE_MARGIN = 5.0  # --smoke's: the 2-core CPU's seconds vary 3x with what else
 STOP_GRACE = 10.0  # seconds a stopped part has to end (a kernel, a compile's step) before it is left behind
 WATCHDOG_AFTER = 20.0  # the watchdog ends the session this long after the budget: a part stopped at the budget's
 # end has had its STOP_GRACE, the interpreter its exit
+WATCHDOG_BEFORE_LIMIT = 20.0  # and at least this long before the device's limit (its kill would lose the watchdog's
+# rows and line): a budget past DEVICE_LIMIT - WATCHDOG_AFTER - WATCHDOG_BEFORE_LIMIT (560 s) is refused
 TICK = 0.05  # how often the session looks at its parts' deadlines
+
+
+secs = session_watchdog.seconds_text  # a budget's seconds as printed: 1.5 s, 540 s
 
 
 def expected(part, smoke):
@@ -163,7 +169,7 @@ def print_plan(budget, smoke, parts=WHAT):
     sources = {part: source for part, *_, source in PLAN}
     rows = timeline(budget, smoke, parts)
     where = "on the CPU (--smoke)" if smoke else "on one H100 / H200"
-    print(f"expected seconds a part {where}, budget {budget:.0f} s; the start-up {STARTUP[1 if smoke else 0]} s"
+    print(f"expected seconds a part {where}, budget {secs(budget)} s; the start-up {STARTUP[1 if smoke else 0]} s"
           f"{'' if smoke else ': ' + STARTUP[2]}")
     for part, seconds, end, fits in rows:
         print(f"  {part:3s} {seconds:4.0f} s (stopped past {deadline(part, smoke):3.0f} s), ends at {end:4.0f} s "
@@ -188,14 +194,36 @@ def append(path, text):
         os.fsync(f.fileno())
 
 
+WRITERS = set()  # the rows' writers at work (the session's end waits for them)
+WRITE_LOCK = threading.Lock()  # taken by a writer alone (never stopped): one row's two lines before the next's
+
+
+def write_both(out, jsonl, md):
+    """Appends a row to DIR/results.jsonl and DIR/results.md, both, in a thread of its own: a stop raised in the
+    calling thread (a part's deadline, an interrupt) lands after the row's write or before it, never between the
+    two files."""
+    def both():
+        try:
+            with WRITE_LOCK:
+                append(os.path.join(out, "results.jsonl"), jsonl)
+                append(os.path.join(out, "results.md"), md)
+        finally:
+            WRITERS.discard(writer)
+    writer = threading.Thread(target=both, name="a row's write")
+    WRITERS.add(writer)
+    writer.start()
+    writer.join()
+
+
 def record(s, part, status, seconds, summary, **numbers):
     row = dict(part=part, what=WHAT[part], status=status, seconds=round(seconds, 1), summary=summary,
                clock_s=round(time.monotonic() - s.start, 1), session_id=s.id, **numbers)  # clock_s: the budget's
     # clock at the end; session_id: the header's id (a folder holds the rows of each session that wrote there)
+    cells = (part, WHAT[part], status, summary.replace("|", "/").replace("\n", "; "), f"{seconds:.0f} s")
     with s.lock:  # the background parts' threads record too
-        append(os.path.join(s.out, "results.jsonl"), json.dumps(row, default=str) + "\n")
-        cells = (part, WHAT[part], status, summary.replace("|", "/").replace("\n", "; "), f"{seconds:.0f} s")
-        append(os.path.join(s.out, "results.md"), "| " + " | ".join(cells) + " |\n")
+        if getattr(s, "closed", False):  # the session was interrupted: its line is the last
+            return
+        write_both(s.out, json.dumps(row, default=str) + "\n", "| " + " | ".join(cells) + " |\n")
     print(f"[{part}] {status} in {seconds:.0f} s: {summary}", flush=True)
 
 
@@ -206,6 +234,10 @@ def finish(s, part, status, seconds, summary, **numbers):
         if part in s.finished:
             return
         s.finished.add(part)
+    beside = [other for other in s.left_behind if other != part and s.runs[other].thread.is_alive()]
+    if beside and part not in UNTIMED and status != "skipped":
+        summary += (f" (beside part {', '.join(beside)}, stopped but not ended: it may still be running, its share "
+                    "of the machine taken from this part)")
     s.numbers[part] = numbers
     record(s, part, status, seconds, summary, **numbers)
     tell_watchdog(s, end=part)
@@ -222,7 +254,8 @@ def clock(s):
 
 
 def inside(path, folder):
-    return not os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).startswith("..")
+    """Whether path is folder or under it, links followed (a link outside to a folder inside is inside)."""
+    return not os.path.relpath(os.path.realpath(path), os.path.realpath(folder)).startswith("..")
 
 
 def command_output(argv):
@@ -246,7 +279,9 @@ def source_commit(s):
 # The start, before torch's import (the standard library only, milliseconds): the arguments and --out checked, the
 # watchdog started, so that a hang in torch's import or CUDA's start is under it too
 
-DEVICE_LIMIT = 600.0  # the device tool's limit on one command: a budget past DEVICE_LIMIT - WATCHDOG_AFTER is refused
+DEVICE_LIMIT = 600.0  # the device tool's limit on one command (see WATCHDOG_BEFORE_LIMIT)
+RELEASE_ON_RETURN = False  # True where main's caller goes on after it (the suite's tests call it in their process):
+# the watchdog is released when main returns; else it watches the process until it is gone, its exit included
 SESSION_FILES = ("results.jsonl", "results.md", "errors.log", "cuda_tests.log", "main_command.log", "session.log")
 # the files a session writes into --out (session.log: the documented command's `| tee`); a folder holding any other
 # is refused, and part 1's tests leave these alone out of their check that no test writes into the repository
@@ -259,16 +294,18 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def budget_seconds(text):
-    """--budget-s: seconds, more than 0 and at most the device's limit less the watchdog's WATCHDOG_AFTER."""
+    """--budget-s: seconds, more than 0 and at most the device's limit less WATCHDOG_AFTER and WATCHDOG_BEFORE_LIMIT:
+    the watchdog acts at least WATCHDOG_BEFORE_LIMIT before the device's kill."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    most = DEVICE_LIMIT - WATCHDOG_AFTER
+    most = DEVICE_LIMIT - WATCHDOG_AFTER - WATCHDOG_BEFORE_LIMIT
     if not 0 < value <= most:  # nan and inf fail it too
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number of seconds above 0 and at most {most:.0f} (the watchdog ends the session "
-            f"{WATCHDOG_AFTER:.0f} s past the budget, before the device's {DEVICE_LIMIT:.0f} s limit)")
+            f"{WATCHDOG_AFTER:.0f} s past the budget, at least {WATCHDOG_BEFORE_LIMIT:.0f} s before the device's "
+            f"{DEVICE_LIMIT:.0f} s limit)")
     return value
 
 
@@ -278,7 +315,8 @@ def arguments(argv):
                                       "or one a previous session wrote; not the checkout's root nor a folder git "
                                       "tracks")
     parser.add_argument("--budget-s", type=budget_seconds, default=540.0,
-                        help=f"seconds for the whole session (at most {DEVICE_LIMIT - WATCHDOG_AFTER:.0f})")
+                        help=f"seconds for the whole session (at most "
+                             f"{DEVICE_LIMIT - WATCHDOG_AFTER - WATCHDOG_BEFORE_LIMIT:.0f})")
     parser.add_argument("--parts", default=",".join(WHAT), help="comma-separated, of " + ", ".join(WHAT))
     parser.add_argument("--shared", help="the folder holding data/gsm8k, fixtures/nanochat and peers/nanochat "
                                          "(default: .gpu where --prepare made it, else ../shared; --prepare copies "
@@ -288,6 +326,9 @@ def arguments(argv):
     parser.add_argument("--prepare", metavar="DIR", help="lay out the device copy's data under DIR and exit")
     args = parser.parse_args(argv)
     args.parts = args.parts.split(",")
+    if "" in (part.strip() for part in args.parts):
+        parser.error(f"--parts {args.parts and ','.join(args.parts)!r} has an empty entry: name parts separated by "
+                     f"commas, of {', '.join(WHAT)}")
     unknown = [part for part in args.parts if part not in WHAT]
     if unknown:
         parser.error(f"no part {', '.join(unknown)}: the parts are {', '.join(WHAT)}")
@@ -323,6 +364,11 @@ def claim_out(out):
             refuse(out, f"holds files that are not a session's ({', '.join(others[:3])}"
                         f"{', ...' if len(others) > 3 else ''})", "pass an empty folder, a new one, or one a previous "
                                                                   "session wrote (its rows are kept, ours appended)")
+        odd = sorted(name for name in SESSION_FILES if os.path.lexists(os.path.join(real, name)) and
+                     not os.path.isfile(os.path.join(real, name)))
+        if odd:
+            refuse(out, f"holds {', '.join(odd)} that is not a file", "pass an empty folder, a new one, or one a "
+                                                                    "previous session wrote")
     try:
         os.makedirs(real, exist_ok=True)
         open(os.path.join(real, "results.md"), "a").close()
@@ -352,7 +398,7 @@ def begin(argv, started):
     printed), --out claimed, the watchdog started. -> what main goes on with (done: nothing more to do)."""
     args = arguments(argv)
     early = SimpleNamespace(args=args, done=False, watchdog=None, descriptor=None, started=started,
-                            lock=threading.Lock(), id=None, existing=set())
+                            lock=threading.Lock(), id=None, existing=set(), temps=set(), handlers=None)
     if args.plan:
         print_plan(args.budget_s, args.smoke, args.parts)
         early.done = True
@@ -366,32 +412,80 @@ def begin(argv, started):
     settings = dict(out=os.path.realpath(args.out), pid=os.getpid(), start=started,
                     at=started + args.budget_s + WATCHDOG_AFTER, budget_s=args.budget_s, id=early.id,
                     parts=[(part, what) for part, what in WHAT.items() if part in args.parts])
-    # -I -S: the standard library alone, started in milliseconds
+    # -I -S: the standard library alone, started in milliseconds; a session of its own, so that a signal to the
+    # session's process group (Ctrl-C, `timeout`, kill -- -PGID) leaves it to end what the session left
     early.watchdog = subprocess.Popen([sys.executable, "-I", "-S", WATCHDOG, json.dumps(settings)],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, start_new_session=True)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM as Ctrl-C: the session says it was
+        # interrupted, with the parts running, and ends its children (restored at its end: a test's process)
+        early.handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+        signal.signal(signal.SIGTERM, interrupt)
     return early
 
 
+class Interrupted(BaseException):
+    """Raised in the session's main thread by SIGTERM (SIGINT raises KeyboardInterrupt)."""
+
+
+def interrupt(number, frame):
+    raise Interrupted(signal.Signals(number).name)
+
+
+def interrupted(early, s, e):
+    """The session interrupted (SIGINT, SIGTERM): each running part's row, then a line naming them; no more rows
+    after it (the parts' threads may still return). Further signals are ignored: the session ends its children."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
+    how = "SIGINT, Ctrl-C" if isinstance(e, KeyboardInterrupt) else str(e)
+    now = time.monotonic() - early.started
+    running = [] if s is None else [part for part, run in s.runs.items() if not run.ended.is_set()]
+    for part in running:
+        finish(s, part, "stopped", clock(s) - s.runs[part].begin, f"{stopped_at(s, part)}: the session was "
+               f"interrupted ({how})")
+    if s is not None:
+        s.closed = True
+    which = f"part {', '.join(running)} {'was' if len(running) == 1 else 'were'} running" if running else \
+        "no part was running" if s is not None and s.runs else "no part had started"
+    line = f"the session was interrupted ({how}) at {now:.0f} s; {which}: its processes ended"
+    with early.lock:
+        write_both(early.args.out, json.dumps(dict(interrupted=dict(line=line, clock_s=round(now, 1),
+                                                                    running=running, session_id=early.id))) + "\n",
+                   f"\n{line}\n")
+    print(line, file=sys.stderr, flush=True)
+
+
 def end(early):
-    """The session's end, whatever ended it (but the watchdog): the watchdog told ("bye") and waited for; then every
+    """The session's end, whatever ended it (but the watchdog): the watchdog told its rows are complete ("bye"):
+    it goes on watching this process until it is gone (its exit: atexit hooks, threads that are not daemons), under
+    the same deadline; where main's caller goes on (RELEASE_ON_RETURN) it is released and waited for. Then every
     process the session started, and those they left, ended with their process groups (a compile's workers, a
-    part's children: one holding the output open would keep a `| tee` waiting); --out unlocked."""
+    part's children: one holding the output open would keep a `| tee` waiting), the parts' temporary folders
+    removed; --out unlocked."""
     watchdog = early.watchdog
+    if early.handlers and threading.current_thread() is threading.main_thread():  # no interrupt inside the end
+        for number in early.handlers:
+            signal.signal(number, signal.SIG_IGN)
+    for writer in list(WRITERS):  # rows being written (a part's thread stopped while its row was written)
+        writer.join(5)
     if watchdog is not None:
         with early.lock:
             try:
-                watchdog.stdin.write(b'{"bye": true}\n')
+                watchdog.stdin.write(json.dumps(dict(bye=True, release=RELEASE_ON_RETURN)).encode() + b"\n")
                 watchdog.stdin.close()
             except (OSError, ValueError):  # it had ended
                 print(f"note: the watchdog had ended (exit status {watchdog.poll()})", flush=True)
-        watchdog.wait()
+        if RELEASE_ON_RETURN:
+            watchdog.wait()
     compile_workers = getattr(sys.modules.get("torch._inductor.async_compile"), "shutdown_compile_workers", None)
     if compile_workers is not None:  # inductor's compile workers asked to end first (else its exit's own shutdown
         # would write to the pipes of the killed ones, and warn), for at most STOP_GRACE: then killed with the rest
         asked = threading.Thread(target=compile_workers, name="compile workers' end", daemon=True)
         asked.start()
         asked.join(STOP_GRACE)
-    killed = session_watchdog.end_tree(os.getpid(), spare=early.existing)
+    spare = early.existing | ({watchdog.pid} if watchdog is not None and watchdog.poll() is None else set())
+    killed = session_watchdog.end_tree(os.getpid(), spare=spare)
+    for path in list(early.temps):
+        shutil.rmtree(path, ignore_errors=True)
     waited = time.monotonic() + 2
     for pid in killed:  # the ones this process adopted, or started and no one waits for: reaped
         while time.monotonic() < waited:
@@ -404,6 +498,9 @@ def end(early):
     child_subreaper(False)
     if early.descriptor is not None:
         os.close(early.descriptor)  # (the lock with it)
+    if early.handlers and threading.current_thread() is threading.main_thread():
+        for number, handler in early.handlers.items():
+            signal.signal(number, handler)
 
 
 if __name__ == "__main__":
@@ -429,15 +526,15 @@ def header(s):
                 out_in_checkout=inside(s.out, ROOT), startup_s=round(time.monotonic() - s.start, 1),
                 started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with s.lock:
-        append(os.path.join(s.out, "results.jsonl"), json.dumps(dict(session=info)) + "\n")
-        append(os.path.join(s.out, "results.md"), f"\n## GPU session {s.id}, {info['started']}\n\n"
+        write_both(s.out, json.dumps(dict(session=info)) + "\n", f"\n## GPU session {s.id}, {info['started']}\n\n"
                f"{info['device']}, driver {info['driver']}, torch {info['torch']} (CUDA {info['cuda']}), commit "
-               f"{info['commit']}; budget {s.budget:.0f} s, {info['startup_s']:.0f} s of it spent starting (imports, "
+               f"{info['commit']}; budget {secs(s.budget)} s, {info['startup_s']:.0f} s of it spent starting (imports, "
                f"CUDA), the watchdog at {info['watchdog_s']:.0f} s; each part stopped at "
                f"{SMOKE_MARGIN if s.smoke else MARGIN:g}x its estimate; out {info['out']}"
                f"{' (inside the checkout)' if info['out_in_checkout'] else ''}"
                f"{' (--smoke, on the CPU)' if s.smoke else ''}\n\n| part | what | status | result | "
                "seconds |\n| --- | --- | --- | --- | ---: |\n")
+    tell_watchdog(s, header=True)
     print(f"session: {info}", flush=True)
 
 
@@ -449,7 +546,10 @@ def run_logged(s, part, argv, log, env=None):
     comes; in a process group of its own (pytest's, grpo.py's compile workers), killed whole at the part's deadline
     (status None) or when the part is stopped. A group, not a session: the device tool ends what a call leaves."""
     path = os.path.join(s.out, log)
-    with open(path, "w", encoding="utf-8") as out:
+    with open(path, "a", encoding="utf-8") as out:  # a previous session's log kept: this one's after its header
+        out.write(f"\n=== session {s.id}, part {part}: {' '.join(argv)}\n")
+        out.flush()
+        offset = out.tell()
         process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})}, process_group=0)
         tell_watchdog(s, group=process.pid)
@@ -466,7 +566,9 @@ def run_logged(s, part, argv, log, env=None):
             if status is None:
                 process.wait()
             tell_watchdog(s, ungroup=process.pid)
-    return status, open(path, encoding="utf-8", errors="replace").read().splitlines()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return status, f.read().decode("utf-8", errors="replace").splitlines()
 
 
 def outcome(s, part, status, log):
@@ -489,8 +591,8 @@ def part_cuda_tests(s):
     # suite's check that no test writes into the repository leaves these files alone out where --out is inside it
     # (tests/conftest.py), and sees any other file a test writes there
     env = dict(NANOGRPO_FIXTURES=os.path.join(s.shared, "fixtures", "nanochat"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
-               NANOGRPO_SESSION_FILES=os.pathsep.join(os.path.join(os.path.realpath(s.out), name)
-                                                      for name in SESSION_FILES))
+               NANOGRPO_SESSION_FILES=json.dumps([os.path.join(os.path.realpath(s.out), name)
+                                                  for name in SESSION_FILES]))  # (JSON: a path may hold a ':')
     if s.smoke:  # the plumbing alone: the tests skip without a GPU (one thread: see part 2)
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     status, lines = run_logged(s, "1", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
@@ -504,6 +606,15 @@ def part_cuda_tests(s):
     return dict(status=status, summary=summary, counts=counts, failed=failed)
 
 
+def temporary_folder(s):
+    """-> a new folder under /tmp, removed by the part (then untold), by the session's end, or, where the session
+    dies or is ended by its watchdog, by the watchdog."""
+    path = tempfile.mkdtemp(prefix="gpu_session_runs_")
+    s.temps.add(path)
+    tell_watchdog(s, temp=path)
+    return path
+
+
 def part_main_command(s):
     checkpoint, gsm8k = os.path.join(s.shared, CHECKPOINT), os.path.join(s.shared, GSM8K)
     if not os.path.isdir(checkpoint) or not os.path.isfile(os.path.join(gsm8k, "train.jsonl")):
@@ -513,7 +624,7 @@ def part_main_command(s):
         # gain nothing from a second one, which would only take a core from this process beside it
         size = ["--device", "cpu", "--self-check", "--num-steps", "1", "--prompts-per-step", "1", "--num-samples", "2",
                 "--max-new-tokens", "8", "--threads", "1"]
-    runs = tempfile.mkdtemp(prefix="gpu_session_runs_")  # a run's checkpoints stay out of DIR
+    runs = temporary_folder(s)  # a run's checkpoints stay out of DIR
     try:
         status, lines = run_logged(s, "2", [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
                                             "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0",
@@ -521,6 +632,8 @@ def part_main_command(s):
                                    "main_command.log")
     finally:
         shutil.rmtree(runs, ignore_errors=True)
+        s.temps.discard(runs)
+        tell_watchdog(s, untemp=runs)
     check = next((line for line in lines if line.startswith(("self-check:", "error:"))), None)
     steps = [line for line in lines if line.startswith("step ")]
     exit_status, (status, otherwise) = status, outcome(s, "2", status, "main_command.log")
@@ -815,7 +928,7 @@ def fits(s, part):
     left, seconds = s.budget - clock(s), expected(part, s.smoke)
     if seconds <= left:
         return True
-    finish(s, part, "skipped", 0.0, f"not started: none of the budget left ({s.budget:.0f} s spent)" if left <= 0 else
+    finish(s, part, "skipped", 0.0, f"not started: none of the budget left ({secs(s.budget)} s spent)" if left <= 0 else
            f"not started: expected {seconds:.0f} s, {left:.1f} s of the budget left")
     return False
 
@@ -846,7 +959,8 @@ def wait_for(s, parts):
                 stop(run.thread)
             elif run.stop_sent is not None and clock(s) >= run.stop_sent + STOP_GRACE:
                 finish(s, part, "stopped", clock(s) - run.begin, f"{stopped_at(s, part, run.stop_sent)}: it did not "
-                       f"end within {STOP_GRACE:.0f} s of its stop (a call that does not return) and was left behind")
+                       f"stop when asked (still running {STOP_GRACE:.0f} s after its stop: a call that does not "
+                       "return, or code that caught the stop) and was left behind")
                 s.left_behind.append(part)
                 run.ended.set()
         if all(s.runs[part].ended.is_set() for part in parts):
@@ -865,13 +979,14 @@ def tell_watchdog(s, **event):
 
 def run_session(s):
     header(s)
-    for part in BACKGROUND:
-        if part in s.parts and fits(s, part):
-            start(s, part)
     # on the CPU: the GPU's kernels through their stand-ins (their contracts checked), and nothing compiled (nanochat
-    # compiles its optimizer's steps: minutes on a CPU)
+    # compiles its optimizer's steps: minutes on a CPU). Entered before 1 and 2 start: set_stance imports dynamo
+    # (seconds), which would otherwise run on their clocks with no deadline looked at
     with flash_on_the_cpu() if s.smoke else nullcontext(), \
             torch.compiler.set_stance("force_eager") if s.smoke else nullcontext():
+        for part in BACKGROUND:
+            if part in s.parts and fits(s, part):
+                start(s, part)
         for part in (p for p in IN_PROCESS if p in s.parts):
             if s.cuda and part not in UNTIMED:  # nothing timed beside 1 and 2, on the same GPU
                 wait_for(s, [p for p in BACKGROUND if p in s.runs])
@@ -930,7 +1045,8 @@ def settings(args, started):
                            cuda=not smoke, device=gpu.device, gpu=gpu, vs=vs, modes=modes,
                            prompts=bench_gpu.random_prompts(gpu), engine_prompts=1 if smoke else 4,
                            start=started, lock=threading.Lock(), numbers={}, runs={}, finished=set(),
-                           left_behind=[], raised=None, watchdog=None, id=None, theirs=None, ours=None,
+                           left_behind=[], raised=None, watchdog=None, temps=set(), closed=False, id=None,
+                           theirs=None, ours=None,
                            logits_apart=None, samples=None, real_samples=None, lengths=None, tokens_per_pass=None,
                            update_mfu=None)
 
@@ -955,11 +1071,17 @@ def main(argv=None, started=None, early=None):
         if not args.smoke:  # one process shows the compiled functions many models (each step's copies), each its own
             torch._dynamo.config.recompile_limit = 64  # guards: past dynamo's 8 a function would run eagerly, untold
         s = settings(args, started)
-        s.lock, s.watchdog, s.id = early.lock, early.watchdog, early.id
+        s.lock, s.watchdog, s.id, s.temps = early.lock, early.watchdog, early.id, early.temps
         run_session(s)
+    except (KeyboardInterrupt, Interrupted) as e:  # its line written, its processes ended below; then the exit
+        # status of the signal, no traceback (re-raised where main's caller goes on)
+        interrupted(early, s, e)
+        if RELEASE_ON_RETURN:
+            raise
+        sys.exit(128 + (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals[str(e)]))
     finally:  # the watchdog told, what the session started ended (before a part's re-raised kill, too)
         end(early)
-    if s.left_behind:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
+    if s.left_behind and not RELEASE_ON_RETURN:  # a call that never returns: the interpreter's exit would wait on it, or tear CUDA down under it
         print(f"the session ends here, leaving behind part {', '.join(s.left_behind)}", flush=True)
         os._exit(0)
 
