@@ -1890,7 +1890,8 @@ NO_EVALS = (lambda a: not a.eval_every and not (a.eval_only or a.ask), "--eval-e
 ASK_ONE = (lambda a: a.ask, "--ask answers one question")
 
 
-parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file.",
+parser = argparse.ArgumentParser(prog="grpo.py", description="GRPO / REINFORCE on GSM8K or a toy task, in one file. "
+                                 "The defaults shown are a GSM8K run's; python grpo.py --demo --help shows the demo's.",
                                  usage="python grpo.py [flags]   (python grpo.py --help lists them)",
                                  formatter_class=HelpFormatter, allow_abbrev=False)
 algorithm = parser.add_argument_group("algorithm")

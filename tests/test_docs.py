@@ -245,3 +245,13 @@ def test_the_readmes_two_install_commands_give_the_plots_and_ci_installs_what_th
     assert {"torch", "requirements.txt", "matplotlib", "pytest", "pytest-xdist"} <= packages
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
     assert all(package in ci for package in packages - {"torch"})  # CI: the CPU torch it pins, and the rest
+
+
+def test_help_says_its_defaults_are_a_gsm8k_runs_and_where_the_demos_are(capsys):
+    with pytest.raises(SystemExit):
+        grpo.resolve_config(["--help"])
+    assert "python grpo.py --demo --help shows the demo's" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        grpo.resolve_config(["--demo", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--num-samples NUM_SAMPLES replies per question (the group size G) (default: 8)" in shown  # not GSM8K's 16
