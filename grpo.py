@@ -2810,10 +2810,13 @@ def compare_runs(run_dirs, plot_path):
     episodes = sorted({k for seeds in groups for _, _, metrics in seeds for m in metrics for k in m  # a run's episodes:
                        if k == "episode_turns" or k.startswith("eval_correct@")},  # turns, correct@1..N (--attempts)
                       key=lambda k: (k != "episode_turns", len(k), k))
-    table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes]
+    own = sorted({k for seeds in groups for _, c, metrics in seeds for m in metrics for k in m  # the task's own eval
+                  if k.startswith("eval_") and "@" not in k and k not in ("eval_examples", eval_score_key(c))  # metrics
+                  and not any(k.startswith(f"eval_{name}_") for name in c.get("scores", {}) if name)})
+    table = [COMPARE_HEADER + [k.removeprefix("eval_").replace("episode_turns", "turns") for k in episodes + own]
              + watched]  # a watched task's column: its eval score at the end
     for name, seeds, config in zip(names, groups, configs):
-        per_seed = [run_summary(c, metrics, watched, episodes) for _, c, metrics in seeds]
+        per_seed = [run_summary(c, metrics, watched, episodes + own) for _, c, metrics in seeds]
         table.append([name, task_name(config["task"]), preset_of(config), config.get("advantage"), len(seeds)]
                      + [across_seeds(values) for values in zip(*per_seed)])
     widths = [max(len(fmt(row[i])) for row in table) for i in range(len(table[0]))]
@@ -2823,6 +2826,8 @@ def compare_runs(run_dirs, plot_path):
     print("first eval / eval = at the start / end of the run, greedy on held-out problems: "
           + ", ".join(f"{task} {key}" for task, key in scores.items())
           + "; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
+          + ("; " + ", ".join(k.removeprefix("eval_") for k in own) + ": the task's own eval metrics at the end"
+             if own else "")
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))
     if len(scores) > 1:
         print(f"note: these runs trained on {len(scores)} tasks ({', '.join(scores)}): their scores do not compare")
@@ -2834,7 +2839,7 @@ def compare_runs(run_dirs, plot_path):
         print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose settings a "
               "run has, or custom):\n" + "\n".join(f"  {name.ljust(max(map(len, names)))}  {flags}"
                                                     for name, flags in zip(names, differing)))
-    plot_runs(names, groups, watched, episodes, plot_path)
+    plot_runs(names, groups, watched, episodes, own, plot_path)
     return table
 
 
@@ -2883,9 +2888,10 @@ def fmt(value):  # a table cell: mean±std over seeds, a float, "-" for none
             else f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
-def plot_runs(names, configurations, watched, episodes, plot_path):
-    """Train reward, eval score, KL and reply length against step, and where runs have episodes their turns and
-    eval correct@1..N: one colour per configuration, the mean over its seeds with a ±std band."""
+def plot_runs(names, configurations, watched, episodes, own, plot_path):
+    """Train reward, eval score (dashed: the task's own eval metrics, the watched tasks'), KL where a run has one and
+    reply length against step, and where runs have episodes their turns and eval correct@1..N: one colour per
+    configuration, the mean over its seeds with a ±std band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -2893,8 +2899,10 @@ def plot_runs(names, configurations, watched, episodes, plot_path):
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)")
         return
-    panels = [("reward", "train reward"), (None, "eval score"), ("kl", "KL to reference; dashed: to the teacher"),
-              ("reply_len", "reply length")]
+    kl = any(m.get(k) is not None for seeds in configurations for _, _, metrics in seeds for m in metrics
+             for k in ("kl", "teacher_kl"))
+    panels = [("reward", "train reward"), (None, "eval score")] + (
+        [("kl", "KL to reference; dashed: to the teacher")] if kl else []) + [("reply_len", "reply length")]
     correct = [k for k in episodes if k.startswith("eval_correct@")]  # --attempts: eval correct within 1..N
     panels += [("episode_turns", "turns an episode")] if "episode_turns" in episodes else []
     panels += [(correct[0], f"eval correct@1 (solid) .. @{len(correct)} (dashed, k up: higher)")] if correct else []
@@ -2903,13 +2911,14 @@ def plot_runs(names, configurations, watched, episodes, plot_path):
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (key, title) in zip(axes.flat, panels):
-        extras = watched if key is None else ["teacher_kl"] if key == "kl" else correct[1:] if key in correct else []
+        extras = own + watched if key is None else ["teacher_kl"] if key == "kl" else correct[1:] if key in correct \
+            else []
         for i, (name, seeds), task in ((i, run, task) for i, run in enumerate(zip(names, configurations))
                                        for task in [""] + extras):
             by_step = {}  # task: the trained one (""); dashed: a watched task's eval, the KL to the teacher, correct@k
             for _, config, metrics in seeds:
-                if key is not None or task in config.get("scores", {"": None}):
-                    column = (task or key) if key is not None else eval_score_key(config, task)
+                if key is not None or task in own or task in config.get("scores", {"": None}):
+                    column = (task or key) if key is not None or task in own else eval_score_key(config, task)
                     for step, value in metric_column(metrics, column):
                         by_step.setdefault(step, []).append(value)
             steps = [s for s in sorted(by_step) if len(by_step[s]) == len(seeds)]  # where every seed has a value
@@ -2926,7 +2935,7 @@ def plot_runs(names, configurations, watched, episodes, plot_path):
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0, 0].legend()
-    if watched:
+    if watched or own:
         axes[0, 1].legend(fontsize=7)
     for ax in axes.flat[len(panels) - columns:len(panels)]:  # the lowest panel of each column
         ax.set_xlabel("step")

@@ -1113,7 +1113,7 @@ def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
     assert metrics[1]["kl"] is not None and os.path.isfile(tmp_path / "g" / "tokenizer" / "tokenizer.pkl")
 
 
-def test_eval_only_and_compare(tmp_path, capsys):
+def test_eval_only_and_compare(tmp_path, capsys, monkeypatch):
     grpo.main(run_flags(tmp_path, "a", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8"))
     grpo.main(run_flags(tmp_path, "b", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8", "--algo", "grpo"))
     result = grpo.main(["--demo", "--init", str(tmp_path / "a" / "chatrl_checkpoints" / "d2"), "--eval-only",
@@ -1125,6 +1125,14 @@ def test_eval_only_and_compare(tmp_path, capsys):
     assert [row[:6] for row in table[1:]] == [["a", "sort", "reinforce", "mean", 1, 2], ["b", "sort", "grpo", "zscore",
                                                                                        1, 2]]
     assert "reinforce" in out and "grpo" in out
+    # the task's own eval metric (sort's exact match) has its column; a KL-free run's plot has no KL panel
+    exact = table[0].index("exact")
+    assert all(isinstance(row[exact], float) for row in table[1:]) and "exact: the task's own eval metrics" in out
+    matplotlib = pytest.importorskip("matplotlib")
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, title, *a, **k: titles.append(title))
+    grpo.main(["--compare", str(tmp_path / "a"), "--runs-dir", str(tmp_path)])
+    assert "eval score" in titles and not [t for t in titles if t.startswith("KL")]
     with pytest.raises(SystemExit, match="not a finished run"):
         grpo.main(["--compare", str(tmp_path / "missing")])
 

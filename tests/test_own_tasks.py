@@ -276,7 +276,7 @@ def test_compare_plots_beside_the_runs_or_where_asked_and_says_when_tasks_differ
     grpo.main(base_flags(tmp_path, "mc", "--task", mc, "--grader", "choice", "--num-steps", "1", "--eval-every", "1"))
     grpo.main(base_flags(tmp_path, "sorting", "--num-steps", "1", "--eval-every", "1"))
     plots = []
-    monkeypatch.setattr(grpo, "plot_runs", lambda names, runs, watched, episodes, path: plots.append(path))
+    monkeypatch.setattr(grpo, "plot_runs", lambda names, runs, watched, episodes, own, path: plots.append(path))
     capsys.readouterr()
     runs = [str(tmp_path / "runs" / "mc"), str(tmp_path / "runs" / "sorting")]
     table = grpo.main(["--compare", *runs])
