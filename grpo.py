@@ -1221,10 +1221,12 @@ def start_run(args, run_dir, rank, writes):
     if args.resume:
         same_version(run_dir)
     config = {k: v for k, v in vars(args).items()
-              if k not in flags_with("unrecorded") + ("notes", "run_settings")}
+              if k not in flags_with("unrecorded") + ("notes", "run_settings", "given")}
     config.update(world_size=world_size, version=VERSION)
     setup_log = (lambda line: None) if args.ask else log  # --ask prints its answer, and the few lines it rests on
-    setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()))
+    setup_log("configuration:\n" + "\n".join(f"  {k} = {v}" for k, v in config.items()) if args.show_config else
+              f"settings: {as_flags({k: vars(args)[k] for k in args.given}) or 'the defaults'} (the flags given; "
+              "config.json holds every setting, --show-config prints them)")
     for name, spec in zip(watched, args.eval_task):  # a file only watched is a quiz: all of it counts
         setup_log(f"watched: {name}, {len(watched[name])} problems" + (" (the whole file)" if spec.endswith(".jsonl")
                                                                          else " (its test split)"))
@@ -1807,8 +1809,9 @@ def plan_memory(args, world_size, device, dtype, task, log):
                  f"call and one row a pass, and the {device.type} has {size(free)} free: use {', '.join(remedies)}")
     sharded = f", optimizer state sharded over {world_size} ranks" if world_size > 1 and args.shard_optimizer else ""
     log(f"memory plan per rank ({device.type}, {size(free)} free{sharded}; {rows_flag} {per_pass}; prompts up to "
-        f"{longest_prompt} tokens):\n" + "\n".join(
-        f"  {k:56s} {size(v):>10s}" for k, v in plan.items()) + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}")
+        f"{longest_prompt} tokens):\n" + "\n".join(f"  {k:56s} {size(v):>10s}" for k, v in plan.items())
+        + f"\n  {'peak':56s} {size(plan_peak(plan)):>10s}" if args.show_config else f"memory plan per rank: peak "
+        f"{size(plan_peak(plan))} ({device.type}, {size(free)} free{sharded}; --show-config prints its parts)")
     if args.ref_offload and gpu:  # what it saves, and what it costs: one copy to the GPU a step
         kept = frozen_bytes(model, (args.ref_dtype or dtype) == "bfloat16")  # a reference copy: resolve_config checks
         log(f"  --ref-offload: the reference's {size(kept)} wait in CPU memory; their copy to the GPU takes about "
@@ -2065,6 +2068,8 @@ arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
     "512)", role="observes evaluated", idle=[NO_EVALS])
 arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
+arg("--show-config", action="store_true", role="unrecorded", help="print every setting and each part of the memory "
+    "plan at start (default: the flags given and the plan's peak; config.json holds every setting)")
 arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints, and one at the end", role="observes")
 arg("--keep-states", type=at_least(0), default=2, help="training states kept, newest first (0: all); models all stay",
     role="observes")
@@ -2129,9 +2134,12 @@ PRESETS["distill"] = dict(PRESETS["reinforce"], advantage="none", aggregation="t
 
 
 def as_flags(settings):
-    """{"kl_coef": 0.04, "mask_truncated": True} -> "--kl-coef 0.04 --mask-truncated" (None: the flag's default)"""
+    """{"kl_coef": 0.04, "mask_truncated": True} -> "--kl-coef 0.04 --mask-truncated" (None: the flag's default; a
+    list's items, a dict of weights as name=weight,name=weight)"""
+    shown = {k: ",".join(f"{n}={w:g}" for n, w in v.items()) if isinstance(v, dict) else " ".join(map(str, v))
+             if isinstance(v, list) else v for k, v in settings.items()}
     return " ".join(("--no-" if v is False else "--") + k.replace("_", "-") + ("" if isinstance(v, bool) else f" {v}")
-                    for k, v in settings.items() if v is not None)
+                    for k, v in shown.items() if v is not None and v != "")
 
 
 algorithm.description = "--algo sets, where not given (the others: reinforce's values but these):\n" + "\n".join(
@@ -2193,8 +2201,9 @@ def resolve_config(argv=None):
         args = parser.parse_args(argv)
     finally:  # also when a bad flag exits: later parses in this process get the usual defaults
         parser.set_defaults(**defaults)
-    given = {a.dest for a in parser._actions for flag in a.option_strings for word in argv
-             if word == flag or word.startswith(flag + "=")}
+    args.given = list(dict.fromkeys(a.dest for word in argv for a in parser._actions for flag in a.option_strings
+                                    if word == flag or word.startswith(flag + "=")))  # in order: start_run says them
+    given = set(args.given)
     if args.run_name is None:
         task = task_name(args.task)  # in the name, so that a run on another task never meets this one's folder
         prefix = "demo" if args.demo and task == DEMO["task"] else f"demo-{task}" if args.demo else task
@@ -2833,8 +2842,7 @@ def compare_runs(run_dirs, plot_path):
         print(f"note: these runs trained on {len(scores)} tasks ({', '.join(scores)}): their scores do not compare")
     dests = [a.dest for a in parser._actions if a.option_strings and a.dest not in seed_only]
     differ = [k for k in dict.fromkeys(dests) if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
-    differing = [as_flags({k: ",".join(f"{term}={w:g}" for term, w in c[k].items()) if isinstance(c.get(k), dict)
-                           else c.get(k) for k in differ}) for c in configs]
+    differing = [as_flags({k: c.get(k) for k in differ}) for c in configs]
     if any(differing):
         print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose settings a "
               "run has, or custom):\n" + "\n".join(f"  {name.ljust(max(map(len, names)))}  {flags}"

@@ -279,7 +279,8 @@ def fake_groups(model, tokenizer, task, indices, seeds, args, autocast):
     """sample_groups without a model: question i's group has differing rewards iff i % 3 == 0; its tokens are i."""
     rewards = torch.tensor([[float(i % 3 == 0), 0.0] for i in indices])
     tokens = torch.tensor(indices).repeat_interleave(2)[:, None]
-    return dict(prompts=[[i] for i in indices], samples={"tokens": tokens, "lengths": torch.ones(len(tokens))},
+    samples = {"tokens": tokens, "lengths": torch.ones(len(tokens)), "mask": torch.ones_like(tokens)}
+    return dict(prompts=[[i] for i in indices], samples=samples,
                 rewards=rewards, task_rewards=rewards, terms=rewards[..., None], penalty=torch.zeros_like(rewards),
                 reward_parts=torch.stack([rewards, torch.zeros_like(rewards)], -1))
 

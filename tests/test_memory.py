@@ -183,7 +183,7 @@ def test_packed_passes_of_rows_are_planned_by_rows_and_never_asked_for_a_token_b
     # --pack --device-batch-size D: passes of D whole rows; --tokens-per-pass does not form them, so it is neither
     # checked against the longest row nor what the plan counts, and the out-of-memory line names the rows
     from tasks import build
-    args = grpo.resolve_config(["--demo", "--device-batch-size", "4", "--max-new-tokens", "5000"])
+    args = grpo.resolve_config(["--demo", "--device-batch-size", "4", "--max-new-tokens", "5000", "--show-config"])
     lines = []
     longest_prompt = grpo.plan_memory(args, 1, torch.device("cpu"), "float32", build("sort", "train", args),
                                       lines.append)

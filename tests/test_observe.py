@@ -265,3 +265,17 @@ def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_tra
     grpo.main(["--demo", "--algo", "grpo", "--init", checkpoint, "--ask", "3 1 2", "--runs-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "memory plan" not in out and "optimizer:" not in out
+
+
+def test_a_runs_first_screen_is_the_flags_given_and_the_plans_peak_then_step_1(tmp_path, capsys):
+    # every setting stays in config.json; --show-config prints them, and each part of the memory plan
+    flags = ["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path)]
+    grpo.main(flags + ["--run-name", "short"])
+    before_step = capsys.readouterr().out.split("step 1/1")[0].splitlines()
+    assert len(before_step) <= 5, before_step  # threads, settings, the plan's peak, the optimizer
+    assert any(line.startswith("settings: --demo --num-steps 1 --eval-every 0 --runs-dir") for line in before_step)
+    assert any(line.startswith("memory plan per rank: peak ") for line in before_step)
+    assert json.load(open(tmp_path / "short" / "config.json"))["sapo_tau_neg"] == 1.05  # every setting kept
+    grpo.main(flags + ["--run-name", "full", "--show-config"])
+    out = capsys.readouterr().out
+    assert "configuration:\n" in out and "  sapo_tau_neg = 1.05\n" in out and "\n  peak  " in out
