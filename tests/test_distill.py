@@ -120,7 +120,7 @@ def test_a_distilled_run_logs_the_teacher_and_resumes_only_with_the_same_one(tmp
     teacher = teacher_folder(tmp_path)
     flags = distill_run(tmp_path, "taught", teacher, "--num-steps", "2", "--save-every", "1", "--eval-every", "1",
                         "--eval-examples", "8")
-    run_killed_after_first_save(flags)
+    run_killed_after_first_save(flags + ["--show-config"])  # the memory plan's parts: the teacher's among them
     out = capsys.readouterr().out
     assert f"teacher: {teacher}, step 5" in out and "teacher kl" in out and "teacher_eval_reward" in out
     plan_line = next(line for line in out.splitlines() if line.strip().startswith("teacher model"))  # counted

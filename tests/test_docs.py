@@ -230,7 +230,8 @@ def test_a_flag_is_declared_once_with_its_role():
     assert not tables
     assert grpo.flags_with("sampling") == ("num_samples", "max_new_tokens", "temperature", "top_k", "seed")
     # what config.json leaves out is a role too, not a list beside start_run
-    assert set(grpo.flags_with("unrecorded")) == {"resume", "eval_only", "ask", "wandb", "compare", "compare_out"}
+    assert set(grpo.flags_with("unrecorded")) == {"resume", "eval_only", "ask", "wandb", "compare", "compare_out",
+                                                  "show_config"}
     assert "compare_out" not in ast.unparse(next(node for node in tree.body if isinstance(node, ast.FunctionDef)
                                                  and node.name == "start_run"))
 
