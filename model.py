@@ -774,8 +774,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if num_running == 0 or t == max_new_tokens - 1:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
-            forced, num_forced = call_tool(tool, tokenizer, tokens[rows, :t], calls, forced, num_forced,
-                                           max_new_tokens - t - 1)
+            forced, num_forced = call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced)
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
@@ -806,10 +805,11 @@ def prefill(model, prompts, num_samples, max_new_tokens, static):
     return cache, logits[shared]
 
 
-def call_tool(tool, tokenizer, replies, calls, forced, num_forced, room):
-    """The rows that just closed a python block (calls [B]; replies [B, t]: the running rows' tokens so far): the
-    tool's answer to each block, queued to be forced into the reply (room: the columns left) -> (forced [B, longest
-    queue], num_forced [B])."""
+def call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced):
+    """The rows that just closed a python block at step t (calls [B]; tokens [N, max_new_tokens], rows [B]: generate's):
+    the tool's answer to each block, queued to be forced into the reply, as much of it as the row's columns left hold
+    -> (forced [B, longest queue], num_forced [B])."""
+    replies, room = tokens[rows, :t], tokens.size(1) - t - 1  # the running rows' tokens so far
     for i in calls.nonzero().flatten().tolist():
         reply = replies[i].tolist()
         starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]

@@ -319,10 +319,11 @@ def test_a_huge_answer_is_cut_to_the_rows_room_before_it_is_encoded(source, monk
     encoded, encode = [], TOK.encode
     monkeypatch.setattr(TOK, "encode", lambda text: encoded.append(len(text)) or encode(text))
     if source == "tool":
-        replies = torch.tensor([[TOK.python_start] + TOK.encode("1+1")])
-        forced, num_forced = model_module.call_tool(lambda text: huge, TOK, replies, torch.tensor([True]),
-                                                    torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                                                    room=20)
+        written = [TOK.python_start] + TOK.encode("1+1")  # a block closed at step t: 20 columns left of 25
+        tokens = torch.tensor([written + [TOK.python_end] + [0] * (24 - len(written))])
+        forced, num_forced = model_module.call_tool(lambda text: huge, TOK, tokens, torch.tensor([0]), len(written),
+                                                    torch.tensor([True]), torch.zeros(1, 0, dtype=torch.long),
+                                                    torch.zeros(1, dtype=torch.long))
         assert forced.size(1) == num_forced[0] == 20 and forced[0, 1:].tolist() == encode(huge[:19])
         assert max(encoded) <= 2 * 20 * TOK.longest_token + 16
         return
