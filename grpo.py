@@ -21,7 +21,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
     H_t       = entropy of pi_theta at the token's position (the full distribution)
     fkl_t     = KL(pi_teacher || pi_theta) at the token's position, over the teacher's top-k tokens and the rest
                 (--distill-divergence forward, --algo distill's)
-    loss      = aggregate(policy_t + beta * kl_t - c * H_t + lambda * fkl_t)  over the batch's reply tokens
+    loss      = aggregate(policy_t + beta * kl_t - c * H_t + lambda * fkl_t)  over a minibatch's reply tokens
                 (nanochat | token | sequence | constant)
 The code reads top to bottom: the objective's terms, then a step in the order it runs; below the banner, the flags
 and the run's plumbing."""
@@ -169,8 +169,9 @@ def micro_batch_denominator(denominator, mb, kind):
 
 
 def aggregate(per_token, loss_mask, kind, denominator):
-    """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of the batch mean. Summing the shares
-    of all micro-batches and ranks gives the whole batch's mean, whatever the micro-batch size."""
+    """per_token, loss_mask [B, T] -> scalar: this micro-batch's share of its minibatch's mean. Summing the shares
+    of the minibatch's micro-batches on all ranks gives its mean, whatever the micro-batch size. denominator: the
+    minibatch's (a number), or [B, 1] per row under nanochat's aggregation (micro_batch_denominator)."""
     summed = per_token * loss_mask
     if kind == "sequence":  # each reply's own token mean first
         summed = summed / loss_mask.sum(dim=1, keepdim=True).clamp(min=1)
@@ -184,8 +185,8 @@ def objective(logprobs, entropy, frozen, advantages, loss_mask, denominator, arg
     the gradient; frozen holds the log-probs that do not: "old" (pi_old), "sampler" (as drawn), "ref" (None: no KL)
     and the teacher's: "teacher" (--distill-divergence sampled: its log-probs of the sampled tokens [B, T]) or
     "teacher_top" (forward: its top-k log-probs and rest, and student_top the student's at the same tokens, with the
-    gradient), None without distillation; advantages [B, 1] (made [B, T] here by the sampled teacher). -> (loss, its
-    parts for the statistics)"""
+    gradient), None without distillation; advantages [B, 1] ([B, T] with the sampled teacher's term: policy_variants).
+    -> (loss, its parts for the statistics)"""
     # Masked positions (prompt, tool output, padding) enter no term: zeros in, so no inf can arise there to
     # turn the whole loss into NaN (inf * 0), and no gradient reaches them.
     keep = loss_mask > 0
@@ -270,8 +271,11 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
     """Sampled groups -> the training batch. Each row is prompt + reply, right-padded (the causal mask makes
     padding on the right harmless). rewards [P, G]; every tensor below has one row per reply, N = P * G.
     The loss mask keeps the tokens the policy sampled: no prompt, no forced tool output, no padding. Built on the
-    host, with the update's micro-batches planned (plan_micro_batches, below the banner), so the update never waits for
-    the device.
+    host, with the update's plan, so the update never waits for the device: minibatch j holds the rows whose global
+    index (over the ranks) is j mod --num-minibatches (one optimizer step each); a micro-batch is one forward and
+    backward pass over some of one minibatch's rows, --device-batch-size of them or packed into one sequence (--pack),
+    their gradients summed; minibatch_totals [num_minibatches, 2]: this rank's loss denominator and loss tokens of
+    each (plan_micro_batches, below the banner).
     static: (rows, tokens a row) that packed passes are padded to, for a compiled forward (None: as they come).
     reward_parts [P, G, terms + 1] (sample_groups): for --reward-combination normalize-then-sum. Every rank builds
     its batch: the advantages may all-reduce (--advantage batch, normalize-then-sum)."""
@@ -462,7 +466,7 @@ def train(args, run):
         if ref_model is not None and args.ref_reset_every and step > 0 and step % args.ref_reset_every == 0:
             reset_reference(model, ref_model, run.optimizers, step, args)
 
-        # 1-2. Sample a group of G replies for each of this rank's questions, and score them.
+        # Sample a group of G replies for each of this rank's questions, and score them.
         model.eval()
         indices = prompt_indices(step, run.rank, run.world_size, args, len(task))
         seeds = [random.Random(f"{args.seed}-{step}-{i}").getrandbits(62) for i in indices]
@@ -472,14 +476,14 @@ def train(args, run):
             groups, rounds = dynamic_sampling(groups, model, tokenizer, task, step, run.rank, args, run.autocast)
         time_sample = time.time() - step_start
 
-        # 3. Build the batch with group-relative advantages; 4-5. update the policy.
+        # Build the batch with group-relative advantages; update the policy.
         batch = to_device(make_batch(groups["prompts"], groups["samples"], groups["rewards"], args, run.static_pack,
                                      groups["reward_parts"]), run.device)
         update_start = time.time()
         stats, time_logprobs = policy_update(model, run.optimizers, batch, args, run.autocast, ref_model, run.owners,
                                              run.teacher)
 
-        # 6. Log, check, evaluate, save.
+        # Log, check, evaluate, save.
         times = dict(time_sample=time_sample, time_logprobs=time_logprobs,
                      time_update=time.time() - update_start - time_logprobs)
         end_of_step(args, run, step, groups, batch, stats, times, rounds, lr_multiplier, step_start)
@@ -1865,11 +1869,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # idle: [(when, why)]: given while one holds, the flag does nothing; a note at start says why (the first that holds),
 # since a flag silently idle looks like a setting that was tried.
 ROLES, IDLE = {}, {}
+ROLE_NAMES = {"observes", "step-size", "spread", "machine", "teacher", "sampling", "evaluated", "unrecorded", "episode"}
 
 
 def declare(group):
     """-> the group's add_argument, taking each flag's role and idle conditions too."""
     def arg(*names, role="", idle=(), **kwargs):
+        assert set(role.split()) <= ROLE_NAMES, f"{names[0]}: role {role!r}"  # a typo: silently a trajectory flag
         dest = group.add_argument(*names, **kwargs).dest
         ROLES[dest], IDLE[dest] = role.split(), idle
     return arg

@@ -270,3 +270,9 @@ def test_each_file_stays_within_its_size():
         length = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert most is None or max(length.values()) <= most, sorted(length.items(), key=lambda kv: -kv[1])[:3]
     assert length["generate"] <= 100
+
+
+def test_a_misspelt_role_is_refused_where_the_flag_is_declared():
+    arg = grpo.declare(grpo.argparse.ArgumentParser().add_argument_group("g"))
+    with pytest.raises(AssertionError, match="--foo-coef: role 'observe'"):
+        arg("--foo-coef", type=float, role="observe")
