@@ -2693,14 +2693,17 @@ def ask(args, run):
     is one of the task's problems; the first lines name the policy and the settings. -> [(reply, reward or None)]."""
     task = run.train_task
     problems = (t[i] for t in (run.test_task, task) for i in range(min(len(t), 10_000)))  # a generated task's train
-    known = next((p for p in problems if args.ask.strip() == next(  # split can be endless: its first 10,000
-        m["content"] for m in reversed(p["messages"]) if m["role"] == "user").strip()), None)
+    found = [p for _, p in zip(range(2), (p for p in problems if args.ask.strip() == next(  # split can be endless:
+        m["content"] for m in reversed(p["messages"]) if m["role"] == "user").strip()))]  # its first 10,000; 2 found
+    known = found[0] if found else None
     reference = known["messages"][-1]["content"] if known else None  # a short text answer is shown (a game's digit)
     shown_answer = f" (its answer: {reference})" if isinstance(reference, str) and len(reference) <= 80 and (
         reference.isprintable()) else ""
     run.log(f"--ask, {policy_name(args, run)}: " + (f"graded as the task's problem{shown_answer}" if known else
                                                     f"not one of the task's problems ({args.task}): no grade"))
     run.log(f"--ask: {evaluation_settings(args)}")
+    if len(found) > 1:  # a game's question is often the same for every problem, its hidden state apart
+        run.log("note: --ask: several of the task's problems have this question; graded as the first found")
     for note in args.notes:
         run.log(f"note: {note}")
     prompt = run.tokenizer.render_for_completion({"messages": [{"role": "user", "content": args.ask}]})

@@ -551,6 +551,8 @@ def test_ask_plays_an_episode_and_prints_each_turn_as_the_task_graded_it(tmp_pat
         assert users == [f"after reply {k}" for k in range(1, len(users) + 1)] and reward == len(users) + 1
         assert f"[{label}, reward {reward:g}] {text}\n" in out  # the reply graded is the last turn printed
     assert max(reward for _, reward in replies) == 3  # episodes ran to the task's end (a reply that quits ends sooner)
+    # every problem of the task asks "Talk to me.": which one grades the replies is said
+    assert "note: --ask: several of the task's problems have this question; graded as the first found" in out
 
 
 def test_lengths_tokens_sampled_and_the_overlong_penalty_count_the_models_tokens_alone(tmp_path, monkeypatch):

@@ -203,6 +203,7 @@ def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(
     out = capsys.readouterr().out
     assert len(replies) == 4 and all(reward is not None for _, reward in replies)
     assert "graded as the task's problem" in out and "[greedy, reward " in out and "[sample 3, reward " in out
+    assert "several of the task's problems" not in out  # one problem asks it
     assert not os.path.exists(tmp_path / "asked")  # asking writes nothing
     replies = grpo.main(["--demo", "--init", checkpoint, "--ask", "hello?", "--num-samples", "2",
                          "--runs-dir", str(tmp_path)])
