@@ -1249,6 +1249,7 @@ def start_run(args, run_dir, rank, writes):
                          args.teacher_offload and device.type == "cuda")
         teacher.use_compile = args.compile
     record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest)
+    attempts_budget(args, tokenizer, setup_log)
     run = SimpleNamespace(rank=rank, world_size=world_size, master=master, log=log, device=device, autocast=autocast,
                           train_task=train_task, test_task=test_task, watched=watched, model=model, tokenizer=tokenizer,
                           ref_model=ref_model, teacher=teacher, optimizers=optimizers, owners=owners, config=config,
@@ -1365,6 +1366,22 @@ def build_models(args, config, world_size, device, dtype, log, evaluating=False)
     ref_model = None if args.kl_coef == 0 else model if args.lora_rank else frozen(
         copy.deepcopy(model), (args.ref_dtype or dtype) == "bfloat16", args.ref_offload and device.type == "cuda")
     return model, tokenizer, tag, optimizers, owners, ref_model
+
+
+def attempts_budget(args, tokenizer, log):
+    """--attempts N: the tokens its episodes need at least (a sampled token and its end a reply, and each retry's
+    forced feedback), said at start, with a note for a budget that cannot hold all N attempts."""
+    if args.attempts == 1:
+        return
+    feedback = 3 + len(tokenizer.encode(f"Your answer is wrong. Try again ({args.attempts - 1} attempts left)."))
+    least = 2 * args.attempts + (args.attempts - 1) * feedback
+    log(f"--attempts {args.attempts}: an episode needs at least {least} tokens (2 a reply, {feedback} for each retry's "
+        "forced feedback)")
+    for flag in ("max_new_tokens", "eval_max_new_tokens"):
+        if getattr(args, flag) < least:
+            fit = max(1, (getattr(args, flag) + feedback) // (2 + feedback))
+            log(f"note: --{flag.replace('_', '-')} {getattr(args, flag)} holds {fit} of the {args.attempts} attempts "
+                f"at most: raise it to at least {least}")
 
 
 def record_inputs(config, args, train_task, test_task, watched, tokenizer, teacher_digest):

@@ -478,6 +478,17 @@ def test_the_episode_flags_on_a_task_of_one_turn_get_an_idle_note():
     assert grpo.resolve_config(["--demo", "--max-turns", "3", "--attempts", "3"]).notes == []  # episodes there
 
 
+def test_attempts_say_the_tokens_an_episode_needs_and_a_budget_too_small_for_them(tmp_path, capsys):
+    grpo.main(base_flags(tmp_path, "short", "--attempts", "3", "--num-steps", "1", "--eval-every", "0",
+                         "--eval-max-new-tokens", "400"))
+    out = capsys.readouterr().out
+    feedback = 3 + len(TOK.encode("Your answer is wrong. Try again (2 attempts left)."))
+    least = 2 * 3 + 2 * feedback  # a token and its end a reply, the forced feedback between
+    assert f"--attempts 3: an episode needs at least {least} tokens" in out
+    assert f"note: --max-new-tokens 8 holds 1 of the 3 attempts at most: raise it to at least {least}" in out
+    assert "--eval-max-new-tokens 400 holds" not in out  # 400 hold them
+
+
 def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_never_the_users_message():
     # the forced run <|user_start|> message <|user_end|> <|assistant_start|> fills the last of --max-new-tokens: the
     # reply the task grades is the empty one the model had no room for ("cut"), not the feedback (whose "2 attempts"
