@@ -408,6 +408,16 @@ def test_a_session_killed_without_its_bye_is_said_to_have_died(tmp_path):
     assert json.loads(open(tmp_path / "results.jsonl").read().splitlines()[-1])["watchdog"]["ended"] == "died"
 
 
+def ended_by_the_watchdog(script, timeout, within, hung):
+    """Run the session's script: the watchdog must SIGKILL it within `within` seconds (`hung`: the failure else)."""
+    begin = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(hung)
+    assert done.returncode == -9 and time.monotonic() - begin < within, done.stderr[-2000:]
+
+
 def test_the_watchdog_covers_a_hang_before_torchs_import_ends(tmp_path):
     # the session as the device runs it (its file run as __main__), torch's import hung (as CUDA's start may): the
     # watchdog, started before it, ends the session at the budget + WATCHDOG_AFTER (made 0.5 s here)
@@ -425,12 +435,7 @@ def test_the_watchdog_covers_a_hang_before_torchs_import_ends(tmp_path):
         exec(compile(source.replace("WATCHDOG_AFTER = 20.0", "WATCHDOG_AFTER = 0.5"), path, "exec"),
              dict(__name__="__main__", __file__=path))
     """)
-    begin = time.monotonic()
-    try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        pytest.fail("no watchdog ended the session hung in torch's import")
-    assert done.returncode == -9 and time.monotonic() - begin < 8, done.stderr[-2000:]
+    ended_by_the_watchdog(script, 10, 8, "no watchdog ended the session hung in torch's import")
     _, rows = rows_of(tmp_path)
     assert [(row["part"], row["status"]) for row in rows] == [("3a", "skipped"), ("3b", "skipped")]
     assert open(tmp_path / "results.md").read().endswith(
@@ -575,12 +580,7 @@ def test_the_watchdog_enforces_its_deadline_on_the_sessions_exit_after_its_bye(t
             return dict(summary="registered a hook that hangs")
         gpu_session.PARTS["3a"] = part
     """, ["--smoke", "--out", str(tmp_path), "--parts", "3a", "--budget-s", "1.5", "--shared", str(tmp_path / "no")])
-    begin = time.monotonic()
-    try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=25)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the session's exit ran on past its watchdog's deadline")
-    assert done.returncode == -9 and time.monotonic() - begin < 20, done.stderr[-2000:]
+    ended_by_the_watchdog(script, 25, 20, "the session's exit ran on past its watchdog's deadline")
     _, rows = rows_of(tmp_path)
     assert [(row["part"], row["status"]) for row in rows] == [("3a", "ok")]  # no row added after the bye
     assert re.search(r"\nthe watchdog ended the session at 2 s: its rows were complete \(its end at \d s\) but its "
