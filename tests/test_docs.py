@@ -240,7 +240,7 @@ def test_the_readmes_two_install_commands_give_the_plots_and_ci_installs_what_th
     # every output the README shows, curves.png and --compare's figure included, from its install block alone
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     block = text[text.index("## Install"):].split("```")[1]
-    installs = [line.split() for line in block.strip().splitlines()]
+    installs = [line.split() for line in block.strip().splitlines() if line.startswith("pip ")]
     assert len(installs) <= 2 and all(words[:2] == ["pip", "install"] for words in installs)
     packages = {word for words in installs for word in words[2:] if not word.startswith("-") and "://" not in word}
     assert {"torch", "requirements.txt", "matplotlib", "pytest", "pytest-xdist"} <= packages
