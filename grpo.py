@@ -79,8 +79,8 @@ from model import (CheckpointFileError, GENERATIONS, GPT, GPTConfig, HEAD_CHUNK,
                    master_weight_names, master_weights, noisy_projections, optimizer_version, pack_micro_batch,
                    reduce_gradients, save_checkpoint, self_check_distances, self_check_replies, shard_owners,
                    stop_signal, tokenizer_path, writing)
-from tasks import (GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, graded, play,
-                   reply_text, task_class, task_name)
+from tasks import (Attempts, GraderError, build, code_fingerprint, default_num_steps, episode_ends, episode_of, graded,
+                   play, reply_text, task_class, task_name)
 from tasks.jsonl import GRADERS
 
 
@@ -1373,7 +1373,7 @@ def attempts_budget(args, tokenizer, log):
     forced feedback), said at start, with a note for a budget that cannot hold all N attempts."""
     if args.attempts == 1:
         return
-    feedback = 3 + len(tokenizer.encode(f"Your answer is wrong. Try again ({args.attempts - 1} attempts left)."))
+    feedback = 3 + len(tokenizer.encode(Attempts.feedback(args.attempts - 1)))  # its forced run, the longest
     least = 2 * args.attempts + (args.attempts - 1) * feedback
     log(f"--attempts {args.attempts}: an episode needs at least {least} tokens (2 a reply, {feedback} for each retry's "
         "forced feedback)")

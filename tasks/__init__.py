@@ -393,6 +393,10 @@ class Attempts:
         left = self.attempts - len(replies)
         if left <= 0 or self.task.evaluate(conversation, replies[-1]):
             return None
+        return self.feedback(left)
+
+    @staticmethod
+    def feedback(left):
         return f"Your answer is wrong. Try again ({left} attempt{'s' if left > 1 else ''} left)."
 
     def eval_metrics(self, conversation, reply_text):
