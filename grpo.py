@@ -1062,7 +1062,7 @@ def main(argv=None):
         folders = {os.path.dirname(os.path.abspath(os.path.normpath(d))) for d in args.compare}
         plot_path = args.compare_out or os.path.join(folders.pop() if len(folders) == 1 else ".", "compare.png")
         try:
-            return compare_runs(args.compare, plot_path)
+            return compare_runs(args.compare, plot_path if args.plot else None)
         except OSError as e:  # the table is printed: only the plot is missing
             sys.exit(f"error: cannot write the plot {plot_path} ({e.strerror}): pass --compare-out with a file in a "
                      "writable folder")
@@ -1088,7 +1088,7 @@ def main(argv=None):
                 run.log(f"done: {args.num_steps} steps in {time.time() - run.wall_start:.0f}s; "
                         f"metrics in {run.metrics_path}")
                 if run.master:  # the summary: this run as a one-row comparison table, and its curves
-                    compare_runs([run_dir], os.path.join(run_dir, "curves.png"))
+                    compare_runs([run_dir], os.path.join(run_dir, "curves.png") if args.plot else None)
                 leave_process_group()
                 return run.model
         except OSError as e:  # a write refused (disk full, quota, read-only, permissions): the user's to fix, not a bug
@@ -2091,6 +2091,10 @@ arg("--pass-k", type=at_least(0), default=8, help="samples per problem for pass@
 arg("--eval-max-new-tokens", type=at_least(1), default=512, help="reply length limit in evals, tokens (chat_eval: "
     "512)", role="observes evaluated", idle=[NO_EVALS])
 arg("--log-samples", type=at_least(0), default=4, role="observes", help="replies per step in samples.jsonl (0: none)")
+arg("--plot", action=argparse.BooleanOptionalAction, default=True, role="observes", help="draw the curves "
+    "(matplotlib): curves.png at a run's end, --compare's plot; --no-plot: the tables alone (a sweep's runs, plotted "
+    "together later with --compare)", idle=[(lambda a: (a.eval_only or a.ask) and not a.compare,
+                                              "an evaluation draws no curves")])
 arg("--show-config", action="store_true", role="unrecorded", help="print every setting and each part of the memory "
     "plan at start (default: the flags given and the plan's peak; config.json holds every setting)")
 arg("--save-every", type=at_least(0), default=60, help="steps between checkpoints, and one at the end", role="observes")
@@ -2103,8 +2107,8 @@ arg("--max-bad-steps", type=at_least(1), default=3, role="observes", help="stop 
 arg("--wandb", metavar="PROJECT", help="also log to this wandb project", role="unrecorded")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
     "beside the runs when they are in one folder, else in the current one; or --compare-out)", role="unrecorded")
-arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file",
-    role="unrecorded")
+arg("--compare-out", metavar="PNG", help="--compare's plot file", role="unrecorded",
+    idle=[(lambda a: not a.compare, "it is --compare's"), (lambda a: not a.plot, "--no-plot draws no plot")])
 arg = declare(parser.add_argument_group("devices and processes"))
 arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
 arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
@@ -2873,7 +2877,8 @@ def compare_runs(run_dirs, plot_path):
         print("flags that differ between the rows (a flag left out: unset there; preset: the preset whose settings a "
               "run has, or custom):\n" + "\n".join(f"  {name.ljust(max(map(len, names)))}  {flags}"
                                                     for name, flags in zip(names, differing)))
-    plot_runs(names, groups, watched, episodes, own, plot_path)
+    if plot_path:  # (--no-plot: none)
+        plot_runs(names, groups, watched, episodes, own, plot_path)
     return table
 
 

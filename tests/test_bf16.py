@@ -122,7 +122,7 @@ def test_the_kv_cache_holds_bf16_when_the_qk_norm_returns_float32(monkeypatch):
 def test_bf16_run_saves_float32_master_weights_and_nanochat_dtypes(tmp_path):
     init = nanochat_dir(tmp_path, "smear-backout")
     grpo.main(["--demo", "--init", init, "--dtype", "bfloat16", "--runs-dir", str(tmp_path), "--run-name", "bf",
-               "--eval-every", "0", "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "1"])
+               "--eval-every", "0", "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "1", "--no-plot"])
     out = tmp_path / "bf" / "chatrl_checkpoints" / "d4"
     saved = torch.load(out / "model_000001.pt", weights_only=True)
     source = torch.load(os.path.join(init, "model_000005.pt"), weights_only=True)
@@ -169,7 +169,7 @@ def test_a_bf16_stored_reference_gives_the_float32_references_log_probs(generati
 def test_a_bf16_reference_is_built_by_default_under_bf16_and_resumes_exactly(tmp_path, run_killed_after_first_save):
     flags = ["--demo", "--algo", "grpo", "--dtype", "bfloat16", "--runs-dir", str(tmp_path), "--eval-every", "0",
              "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "3", "--save-every", "1",
-             "--ref-reset-every", "2"]
+             "--ref-reset-every", "2", "--no-plot"]
     grpo.main(flags + ["--run-name", "straight"])
     run_killed_after_first_save(flags + ["--run-name", "resumed"])
     grpo.main(flags + ["--run-name", "resumed", "--resume"])

@@ -33,7 +33,7 @@ GOOD_ROW = {"question": "What is 1 + 1?", "answer": "1 + 1 = <<1+1=2>>2\n#### 2"
 
 def flags(w, *extra, name="base"):
     return ["--demo", "--algo", "grpo", "--runs-dir", str(w / "runs"), "--run-name", name, "--eval-every", "0",
-            "--prompts-per-step", "8", "--num-samples", "4", "--num-steps", "4", "--save-every", "1", *extra]
+            "--prompts-per-step", "8", "--num-samples", "4", "--num-steps", "4", "--save-every", "1", "--no-plot", *extra]
 
 
 @pytest.fixture(scope="module")

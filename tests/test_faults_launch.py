@@ -156,7 +156,7 @@ def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_pa
                                                                          file_name, nth, sig):
     if file_name == "curves.png":
         pytest.importorskip("matplotlib")
-    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="signalled")
+    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--plot", name="signalled")
     with monkeypatch.context() as patched:
         signal_in_write(patched, file_name, nth, sig)
         with pytest.raises(SystemExit) as exit_info:
@@ -449,7 +449,7 @@ def test_compare_keeps_copies_of_one_seed_apart(tmp_path, capsys):
     shutil.copytree(tmp_path / "runs", tmp_path / "copy")
     capsys.readouterr()
     table = grpo.main(["--compare", str(tmp_path / "runs" / "demo-grpo-seed0"), str(tmp_path / "copy" / "demo-grpo-seed0"),
-                       "--runs-dir", str(tmp_path), "--compare-out", str(tmp_path / "compare.png")])  # (else in ".")
+                       "--runs-dir", str(tmp_path), "--no-plot"])
     assert [row[table[0].index("seeds")] for row in table[1:]] == [1, 1]
     assert "same configuration with the same seed" in capsys.readouterr().out
 

@@ -457,7 +457,7 @@ def test_resume_is_exact_for_every_generation(generation, tmp_path, monkeypatch,
     # A random model never writes a sorted answer: a reward that differs between replies gives the update a signal.
     monkeypatch.setattr(Sort, "reward", lambda self, conversation, reply: sum(reply.encode()) % 7 / 6)
     flags = ["--demo", "--init", init, "--algo", "grpo", "--runs-dir", str(tmp_path), "--eval-every", "0",
-             "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "2", "--save-every", "1"]
+             "--prompts-per-step", "4", "--num-samples", "2", "--num-steps", "2", "--save-every", "1", "--no-plot"]
     grpo.main(flags + ["--run-name", "straight"])
     run_killed_after_first_save(flags + ["--run-name", "resumed"])
     grpo.main(flags + ["--run-name", "resumed", "--resume"])

@@ -686,7 +686,7 @@ def test_prompts_not_divisible_by_ranks(monkeypatch, capsys):
 
 def run_flags(tmp_path, name, *extra):
     return ["--demo", "--algo", "reinforce", "--runs-dir", str(tmp_path), "--run-name", name, "--eval-every", "0", "--prompts-per-step", "8",
-            "--num-samples", "4", *extra]
+            "--num-samples", "4", "--no-plot", *extra]
 
 
 def final_state(tmp_path, name, step):
@@ -911,7 +911,7 @@ def rehearsal_flags(root, name, ranks):
             "--self-check", "--compile", "--decode", "static", "--prompts-per-step", "2",
             "--max-new-tokens", "16", "--num-steps", "2", "--save-every", "1", "--eval-every", "2",
             "--eval-examples", "2", "--final-eval-examples", "2", "--eval-max-new-tokens", "16", "--pass-k", "2",
-            *extra]
+            "--no-plot", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -1251,6 +1251,10 @@ def test_compares_plot_goes_beside_the_runs_or_here_and_a_failed_write_is_one_li
     assert capsys.readouterr().out.count("plot: ") == 3
     assert (tmp_path / "a" / "compare.png").is_file() and (here / "compare.png").is_file()
     assert not (tmp_path / "compare.png").exists()
+    # --no-plot: the runs drew no curves.png, and --compare the table alone
+    assert not (tmp_path / "a" / "run" / "curves.png").exists()
+    table = grpo.main(["--compare", str(tmp_path / "a" / "run"), "--no-plot", "--compare-out", str(here / "no.png")])
+    assert table[1][0] == "run" and "plot" not in capsys.readouterr().out and not (here / "no.png").exists()
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as stop:
         grpo.main(["--compare", str(tmp_path / "a" / "run"), "--compare-out", str(tmp_path / "a-file" / "c.png")])

@@ -27,7 +27,7 @@ def with_random_adapters(model, rank=4, seed=0):
 def lora_flags(init, tmp_path, *extra):
     return ["--demo", "--init", init, "--algo", "grpo", "--lora-rank", "4", "--lora-lr", "1e-2",
             "--runs-dir", str(tmp_path), "--eval-every", "0", "--prompts-per-step", "4", "--num-samples", "4",
-            "--num-steps", "3", *extra]
+            "--num-steps", "3", "--no-plot", *extra]
 
 
 @pytest.fixture

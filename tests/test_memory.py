@@ -215,7 +215,8 @@ def test_the_plan_bounds_the_exact_attentions_padded_block(tmp_path, monkeypatch
         blocks.append(pack["rows"].numel() * q.size(-1) * (2 * q.size(1) + 2 * k.size(1)) * q.element_size())
         return attention(q, k, v, pack, *a)
     monkeypatch.setattr(model_module, "packed_attention", recorded)
-    grpo.main(["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--pack", *mode])
+    grpo.main(["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--no-plot", "--pack",
+               *mode])
     (plan, _), = plans
     layers = 2  # the demo's
     assert blocks and layers * max(blocks) <= plan["update: exact attention's padded rows (bound)"]

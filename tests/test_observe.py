@@ -184,7 +184,7 @@ def test_twenty_steps_without_signal_warn_once_and_an_equal_groups_reply_is_logg
     # every reward 0: every group's replies equal, no update has anything to learn from
     grpo.main(["--demo", "--reward-weights", "reward=0", "--num-steps", "24", "--prompts-per-step", "4",
                "--num-samples", "4", "--max-new-tokens", "4", "--eval-every", "0", "--save-every", "0",
-               "--log-samples", "4", "--runs-dir", str(tmp_path), "--run-name", "flat"])
+               "--log-samples", "4", "--runs-dir", str(tmp_path), "--run-name", "flat", "--no-plot"])
     warnings = [line for line in capsys.readouterr().out.splitlines() if "no update had anything to learn" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: steps 1-20: in every group all replies got the "
                                                          "same reward (equal groups 1.00, mean reward 0.000)")
@@ -193,7 +193,8 @@ def test_twenty_steps_without_signal_warn_once_and_an_equal_groups_reply_is_logg
 
 
 def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(tmp_path, capsys):
-    grpo.main(["--demo", "--num-steps", "2", "--eval-every", "0", "--runs-dir", str(tmp_path), "--run-name", "a"])
+    grpo.main(["--demo", "--num-steps", "2", "--eval-every", "0", "--runs-dir", str(tmp_path), "--run-name", "a",
+               "--no-plot"])
     checkpoint = str(tmp_path / "a" / "chatrl_checkpoints" / "d2")
     from tasks.sort import Sort
     question = Sort("test")[0]["messages"][0]["content"]
@@ -248,7 +249,7 @@ def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_tra
     # the optimizers and the KL's reference are not theirs
     run = ["--demo", "--algo", "grpo", "--eval-every", "2", "--eval-examples", "8", "--final-eval-examples", "8",
            "--pass-k", "0", "--runs-dir", str(tmp_path), "--run-name", "a"]
-    grpo.main(run + ["--num-steps", "2"])
+    grpo.main(run + ["--num-steps", "2", "--no-plot"])
     final = lines(tmp_path / "a" / "metrics.jsonl")[-1]
     replies = lines(tmp_path / "a" / "evals" / "step_2.jsonl")
     capsys.readouterr()

@@ -208,7 +208,7 @@ def test_a_jsonl_file_loads_with_its_held_out_split_and_per_line_graders(tmp_pat
 def base_flags(tmp_path, name, *extra):
     return ["--demo", "--algo", "grpo", "--runs-dir", str(tmp_path / "runs"), "--run-name", name, "--num-steps", "3",
             "--prompts-per-step", "8", "--num-samples", "4", "--eval-every", "3", "--eval-examples", "8",
-            "--save-every", "3", *extra]
+            "--save-every", "3", "--no-plot", *extra]
 
 
 TASK_FILE = '''

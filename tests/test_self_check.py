@@ -55,7 +55,7 @@ def fixture_flags(tmp_path, gsm8k_dir, generation, *extra):
         pytest.skip("nanochat fixtures not found (../shared/fixtures/nanochat or $NANOGRPO_FIXTURES)")
     return ["--init", checkpoint, "--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--device", "cpu", "--runs-dir",
             str(tmp_path), "--num-steps", "1", "--prompts-per-step", "1", "--max-new-tokens", "8", "--eval-every", "0",
-            "--final-eval-examples", "1", "--pass-k", "0", "--self-check", *extra]
+            "--final-eval-examples", "1", "--pass-k", "0", "--self-check", "--no-plot", *extra]
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "grpo"])
