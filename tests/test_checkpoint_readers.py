@@ -11,7 +11,7 @@ import torch
 from model import CheckpointFileError, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAVES = 60
+SAVES = 24
 # The trainer's own writer (grpo.save_training_state: state, meta, model, then old states pruned), saving a small
 # model every "step" as fast as it can; it prints "go" once the first step is there.
 WRITER = f"""
