@@ -1280,8 +1280,8 @@ def start_process(args, rank):
     """This rank's device, threads, precision -> (world_size, device, master, log (rank 0 prints), dtype, autocast)."""
     world_size = launched()[1]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":  # --device cuda: each process its own GPU, LOCAL_RANK's (a plain `python grpo.py`: 0)
+        device = device if device.index is not None else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=args.dist_timeout)  # a rank that hangs stops the others after this long
@@ -2110,7 +2110,8 @@ arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these run
 arg("--compare-out", metavar="PNG", help="--compare's plot file", role="unrecorded",
     idle=[(lambda a: not a.compare, "it is --compare's"), (lambda a: not a.plot, "--no-plot draws no plot")])
 arg = declare(parser.add_argument_group("devices and processes"))
-arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available)", role="machine")
+arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available; under torchrun each rank takes GPU "
+    "LOCAL_RANK)", role="machine")
 arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
 arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
     "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest",
@@ -2398,6 +2399,8 @@ def setup_problems(args):
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
         (re.fullmatch(r"cuda:\d+", args.device or "") and int(args.device[5:]) >= torch.cuda.device_count(),
          f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"),
+        (re.fullmatch(r"cuda:\d+", args.device or "") and launched()[1] > 1, f"--device {args.device} names one GPU, "
+         f"and each of the {launched()[1]} processes takes its own (GPU LOCAL_RANK): pass --device cuda"),
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1, "--eval-examples "
          "must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
         (args.lora_rank and args.init == "scratch", "--lora-rank adapts a trained model, and --init scratch starts "

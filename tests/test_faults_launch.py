@@ -418,6 +418,23 @@ def test_devices_other_than_cpu_and_cuda_are_refused_before_any_work(tmp_path, d
     assert not os.path.exists(tmp_path / "runs")
 
 
+def test_a_gpu_named_by_its_index_is_the_one_a_single_process_takes(monkeypatch, capsys, tmp_path):
+    # a machine of two GPUs, stood in for: one process and --device cuda:1 runs on GPU 1 (not LOCAL_RANK's 0); under
+    # torchrun each rank takes GPU LOCAL_RANK, so an index is refused there in one line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for device, expected in (("cuda:1", "cuda:1"), ("cuda", "cuda:0")):
+        args = grpo.resolve_config(flags(tmp_path, "--device", device, "--dtype", "float32"))  # (no bf16 check)
+        assert str(grpo.start_process(args, 0)[1]) == expected and str(chosen[-1]) == expected
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.resolve_config(flags(tmp_path, "--device", "cuda:1"))
+    assert exit_info.value.code == 2 and "--device cuda:1 names one GPU" in capsys.readouterr().err
+
+
 def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(tmp_path, monkeypatch, capsys):
     argv = flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="early")
     grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="straight"))
