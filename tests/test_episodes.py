@@ -432,6 +432,40 @@ def test_the_example_environment_pays_for_reading_the_answers():
             assert lie.respond(task[index], turns) == swapped.get(said, said)
 
 
+def test_the_retries_example_is_found_in_three_attempts_by_a_policy_that_reads_its_misses_alone():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pick_one", "docs/examples/pick_one.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    task = tasks.Attempts(example.PickOne("test"), 3)
+
+    def correct_at(policy):  # policy(the three digits, the replies so far) -> a reply; the test split's correct@1..3
+        totals = [0.0] * 3
+        for index in range(len(task)):
+            conversation, turns = task[index], []
+            digits = conversation["messages"][0]["content"].split()
+            assert len(set(digits)) == 3 and conversation["messages"][-1]["content"] in digits
+            while True:
+                turns.append(dict(role="assistant", content=policy(digits, [t["content"] for t in turns
+                                                                             if t["role"] == "assistant"])))
+                feedback = task.respond(conversation, turns)
+                if feedback is None:
+                    break
+                turns.append(dict(role="user", content=feedback))
+            metrics = task.eval_metrics(dict(conversation, episode=turns), turns[-1]["content"])
+            totals = [total + metrics[f"correct@{k}"] for k, total in enumerate(totals, 1)]
+        return [total / len(task) for total in totals]
+    repeats = correct_at(lambda digits, said: digits[0])
+    assert 0.2 < repeats[0] == repeats[2] < 0.45  # a third, however many attempts
+    reads = correct_at(lambda digits, said: next(d for d in digits if d not in said))
+    assert reads[0] == repeats[0] and reads[2] == 1.0
+    # graded on the first character: the hidden digit 1, another of the three 0.2, else 0
+    conversation = task[0]
+    right, digits = conversation["messages"][-1]["content"], conversation["messages"][0]["content"].split()
+    wrong = next(d for d in digits if d != right)
+    assert [task.reward(conversation, reply) for reply in (right + "!?", wrong, " " + right, "")] == [1.0, 0.2, 0.0, 0.0]
+
+
 def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_episode_flags(
         tmp_path, run_killed_after_first_save, capsys):
     flags = base_flags(tmp_path, "guess", "--task", "docs/examples/guess_digit.py:GuessDigit", "--max-turns", "4",
