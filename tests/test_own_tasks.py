@@ -445,14 +445,14 @@ def test_the_readmes_own_task_commands_run_as_written_on_the_files_that_ship(tmp
     assert all(os.path.isfile(os.path.join(ROOT, path)) for path in named), named
     scratch = [argv for argv in argvs if "--demo" in argv]
     checkpoint = [argv for argv in argvs if "--demo" not in argv]
-    assert len(scratch) == 4 and len(checkpoint) == 1 and "--init" not in checkpoint[0]  # 2: episodes (issue 77)
+    assert len(scratch) == 5 and len(checkpoint) == 1 and "--init" not in checkpoint[0]  # 3: episodes
     short = ["--num-steps", "2", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
              "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4", "--save-every", "0",
-             "--eval-max-new-tokens", "6", "--runs-dir", str(tmp_path / "runs")]
+             "--eval-max-new-tokens", "6", "--runs-dir", str(tmp_path / "runs"), "--no-plot"]
     for argv in scratch:  # in order: the grader function's run goes on from the first run (--init runs/...)
         grpo.main([str(tmp_path / word) if word.startswith("runs/") else word for word in argv] + short)
-    assert sorted(os.listdir(tmp_path / "runs")) == ["demo-attempts3-grpo-seed0", "demo-guessdigit-grpo-seed0",
-                                                     "demo-max3-grpo-seed0", "max3-own-grader"]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["demo-guessdigit-grpo-seed0", "demo-max3-grpo-seed0",
+                                                     "max3-own-grader", "pick", "pick-retries"]
     for run in ("demo-max3-grpo-seed0", "max3-own-grader"):
         assert os.path.isfile(tmp_path / "runs" / run / "metrics.jsonl")
     config = json.load(open(tmp_path / "runs" / "max3-own-grader" / "config.json"))
