@@ -1373,11 +1373,14 @@ def attempts_budget(args, tokenizer, log):
     forced feedback), said at start, with a note for a budget that cannot hold all N attempts."""
     if args.attempts == 1:
         return
-    feedback = 3 + len(tokenizer.encode(Attempts.feedback(args.attempts - 1)))  # its forced run, the longest
-    least = 2 * args.attempts + (args.attempts - 1) * feedback
+    feedbacks = [3 + len(tokenizer.encode(Attempts.feedback(left))) for left in range(args.attempts - 1, 0, -1)]
+    # + 1: a turn that ends on the budget's last column cannot ask for the next (the episode counts as cut)
+    least, feedback = 2 * args.attempts + sum(feedbacks) + 1, feedbacks[0]  # each retry's forced run, longest first
+    most = f", {args.attempts * (args.max_turn_tokens + 1) + sum(feedbacks) + 1} for {args.attempts} full turns of " \
+        f"--max-turn-tokens {args.max_turn_tokens}" if args.max_turn_tokens else ""
     log(f"--attempts {args.attempts}: an episode needs at least {least} tokens (2 a reply, {feedback} for each retry's "
-        "forced feedback)")
-    for flag in ("max_new_tokens", "eval_max_new_tokens"):
+        f"forced feedback){most}")
+    for flag in ("eval_max_new_tokens",) if args.eval_only or args.ask else ("max_new_tokens", "eval_max_new_tokens"):
         if getattr(args, flag) < least:
             fit = max(1, (getattr(args, flag) + feedback) // (2 + feedback))
             log(f"note: --{flag.replace('_', '-')} {getattr(args, flag)} holds {fit} of the {args.attempts} attempts "
@@ -2107,11 +2110,11 @@ arg("--max-bad-steps", type=at_least(1), default=3, role="observes", help="stop 
 arg("--wandb", metavar="PROJECT", help="also log to this wandb project", role="unrecorded")
 arg("--compare", nargs="+", metavar="RUN_DIR", help="table and plot of these runs, then exit (the plot: compare.png "
     "beside the runs when they are in one folder, else in the current one; or --compare-out)", role="unrecorded")
-arg("--compare-out", metavar="PNG", help="--compare's plot file", role="unrecorded",
-    idle=[(lambda a: not a.compare, "it is --compare's"), (lambda a: not a.plot, "--no-plot draws no plot")])
+arg("--compare-out", metavar="PNG", idle=[(lambda a: not a.compare, "it is --compare's")], help="--compare's plot file",
+    role="unrecorded")
 arg = declare(parser.add_argument_group("devices and processes"))
-arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available; under torchrun each rank takes GPU "
-    "LOCAL_RANK)", role="machine")
+arg("--device", help="cpu, cuda or cuda:<index> (default: cuda if available; several processes on a machine: "
+    "cuda, each taking GPU LOCAL_RANK)", role="machine")
 arg("--dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: bfloat16 on cuda)", role="machine")
 arg("--pack", action=argparse.BooleanOptionalAction, default=True, help="pack each forward/backward pass's rows into "
     "one sequence of real tokens (attention never crosses a row); --no-pack: rows right-padded to the pass's longest",
@@ -2386,6 +2389,7 @@ def combination_problems(args):
 
 def setup_problems(args):
     """check_config's checks of the start model, adapters, device, run folder and evals -> [(bad, message)]."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", launched()[1]))  # the job's processes on this machine
     return [
         (args.depth < 1 or args.n_head < 1 or args.n_embd < 1 or args.n_embd % args.n_head
          or (args.n_embd // max(1, args.n_head)) % 2,
@@ -2393,14 +2397,15 @@ def setup_problems(args):
          f"(got --depth {args.depth} --n-embd {args.n_embd} --n-head {args.n_head})"),
         (args.run_name in ("", ".", "..") or os.sep in args.run_name or (os.altsep or os.sep) in args.run_name,
          f"--run-name {args.run_name!r} must be a plain folder name inside --runs-dir"),
-        (args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device),
+        (args.device is not None and not re.fullmatch(r"cpu|cuda(:(0|[1-9]\d*))?", args.device),
          f"--device {args.device!r}: nanogrpo runs on cpu, cuda or cuda:<index>"),
         (args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {args.device}: this machine has no CUDA device (use --device cpu)"),
         (re.fullmatch(r"cuda:\d+", args.device or "") and int(args.device[5:]) >= torch.cuda.device_count(),
          f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"),
-        (re.fullmatch(r"cuda:\d+", args.device or "") and launched()[1] > 1, f"--device {args.device} names one GPU, "
-         f"and each of the {launched()[1]} processes takes its own (GPU LOCAL_RANK): pass --device cuda"),
+        (re.fullmatch(r"cuda:\d+", args.device or "") and local > 1, f"--device {args.device} names one GPU, and "
+         f"each of the {local} processes on this machine takes its own (GPU LOCAL_RANK): pass --device cuda "
+         "(CUDA_VISIBLE_DEVICES picks which GPUs they are)"),
         (args.eval_examples < 1 or args.final_eval_examples == 0 or args.final_eval_examples < -1, "--eval-examples "
          "must be >= 1, --final-eval-examples >= 1 or -1 (all): an eval over no problem measures nothing"),
         (args.lora_rank and args.init == "scratch", "--lora-rank adapts a trained model, and --init scratch starts "

@@ -432,7 +432,7 @@ def test_the_example_environment_pays_for_reading_the_answers():
             assert lie.respond(task[index], turns) == swapped.get(said, said)
 
 
-def test_the_retries_example_is_found_in_three_attempts_by_a_policy_that_reads_its_misses_alone():
+def test_the_retries_example_is_found_in_three_attempts_by_a_policy_that_answers_otherwise_after_a_miss():
     import importlib.util
     spec = importlib.util.spec_from_file_location("pick_one", "docs/examples/pick_one.py")
     example = importlib.util.module_from_spec(spec)
@@ -457,8 +457,9 @@ def test_the_retries_example_is_found_in_three_attempts_by_a_policy_that_reads_i
         return [total / len(task) for total in totals]
     repeats = correct_at(lambda digits, said: digits[0])
     assert 0.2 < repeats[0] == repeats[2] < 0.45  # a third, however many attempts
-    reads = correct_at(lambda digits, said: next(d for d in digits if d not in said))
-    assert reads[0] == repeats[0] and reads[2] == 1.0
+    reads = correct_at(lambda digits, said: next(d for d in digits if d not in said))  # its misses
+    counts = correct_at(lambda digits, said: digits[len(said)])  # the k-th digit at the k-th attempt
+    assert reads[0] == repeats[0] and reads[2] == 1.0 and counts == reads
     # graded on the first character: the hidden digit 1, another of the three 0.2, else 0
     conversation = task[0]
     right, digits = conversation["messages"][-1]["content"], conversation["messages"][0]["content"].split()
@@ -516,11 +517,20 @@ def test_attempts_say_the_tokens_an_episode_needs_and_a_budget_too_small_for_the
     grpo.main(base_flags(tmp_path, "short", "--attempts", "3", "--num-steps", "1", "--eval-every", "0",
                          "--eval-max-new-tokens", "400"))
     out = capsys.readouterr().out
-    feedback = 3 + len(TOK.encode("Your answer is wrong. Try again (2 attempts left)."))
-    least = 2 * 3 + 2 * feedback  # a token and its end a reply, the forced feedback between
-    assert f"--attempts 3: an episode needs at least {least} tokens" in out
+    feedback = [3 + len(TOK.encode(f"Your answer is wrong. Try again ({left}."))
+                for left in ("2 attempts left)", "1 attempt left)")]
+    # a token and its end a reply, the forced feedback between, and a column after the last turn's end (a turn that
+    # ends on the last column cannot ask the environment whether the episode goes on: it counts as cut)
+    least = 2 * 3 + sum(feedback) + 1
+    assert f"--attempts 3: an episode needs at least {least} tokens (2 a reply, {feedback[0]} for each" in out
     assert f"note: --max-new-tokens 8 holds 1 of the 3 attempts at most: raise it to at least {least}" in out
     assert "--eval-max-new-tokens 400 holds" not in out  # 400 hold them
+    # with --max-turn-tokens, what three full turns take; an evaluation's budget is --eval-max-new-tokens alone
+    grpo.main(["--demo", "--init", str(tmp_path / "runs" / "short"), "--eval-only", "--attempts", "3",
+               "--max-turn-tokens", "4", "--eval-max-new-tokens", "400", "--final-eval-examples", "4"])
+    out = capsys.readouterr().out
+    assert f"{3 * 5 + sum(feedback) + 1} for 3 full turns of --max-turn-tokens 4" in out
+    assert "note: --max-new-tokens" not in out
 
 
 def test_a_budget_that_ends_right_after_the_users_turn_grades_an_empty_reply_never_the_users_message():

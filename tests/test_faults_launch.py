@@ -426,13 +426,19 @@ def test_a_gpu_named_by_its_index_is_the_one_a_single_process_takes(monkeypatch,
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    for device, expected in (("cuda:1", "cuda:1"), ("cuda", "cuda:0")):
+    for device, local_rank, expected in (("cuda:1", "0", "cuda:1"), ("cuda", "0", "cuda:0"), ("cuda", "1", "cuda:1")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)  # (torchrun's; a plain process has none: GPU 0)
         args = grpo.resolve_config(flags(tmp_path, "--device", device, "--dtype", "float32"))  # (no bf16 check)
         assert str(grpo.start_process(args, 0)[1]) == expected and str(chosen[-1]) == expected
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        grpo.resolve_config(flags(tmp_path, "--device", "cuda:1"))
-    assert exit_info.value.code == 2 and "--device cuda:1 names one GPU" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two nodes of one process each: an index says which GPU on each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert grpo.resolve_config(flags(tmp_path, "--device", "cuda:1")).device == "cuda:1"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes on this machine: each its own GPU
+    for device, message in (("cuda:1", "--device cuda:1 names one GPU, and each of the 2 processes on this machine"),
+                            ("cuda:01", "runs on cpu, cuda or cuda:<index>")):
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.resolve_config(flags(tmp_path, "--device", device))
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(tmp_path, monkeypatch, capsys):

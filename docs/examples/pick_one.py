@@ -1,7 +1,8 @@
 """Pick the right one of three digits, which the question does not say: docs/demo.md's miniature of retries
 (--attempts 3). The question is three distinct digits; one of them, hidden, is right. A reply is graded by its first
-character: the hidden digit earns 1, another of the three 0.2, anything else 0. A first attempt is right 1 time in 3 whatever the policy. After "Your answer is wrong", a
-policy that reads its own earlier answers picks another of the three, and three attempts always find it; a policy
+character: the hidden digit earns 1, another of the three 0.2, anything else 0. A first attempt is right 1 time in 3
+whatever the policy. After "Your answer is wrong", a policy that answers otherwise (another of the three; the k-th
+digit at the k-th attempt will do, the feedback saying how many are left) finds it within three attempts; a policy
 that repeats itself stays at 1 in 3."""
 import random
 
