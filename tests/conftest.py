@@ -120,6 +120,8 @@ def pytest_configure(config):
         if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores, one thread each, as
             os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks do; the runs the tests start as processes too
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if config.pluginmanager.has_plugin("hypothesispytest"):  # where installed: the suite has no property tests,
+        config.pluginmanager.unregister(name="hypothesispytest")  # and its plugin imports hypothesis at the end (1-2 s)
     config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
     config.addinivalue_line("markers", "xdist_group(name): with pytest -n, these tests run on one worker")
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")

@@ -630,7 +630,7 @@ def part_main_command(s):
     try:
         status, lines = run_logged(s, "2", [sys.executable, "grpo.py", "--init", checkpoint, "--task", "gsm8k",
                                             "--gsm8k-dir", gsm8k, "--eval-every", "0", "--log-samples", "0",
-                                            "--runs-dir", runs, "--run-name", "gpu-session"] + size,
+                                            "--no-plot", "--runs-dir", runs, "--run-name", "gpu-session"] + size,
                                    "main_command.log")
     finally:
         shutil.rmtree(runs, ignore_errors=True)

@@ -549,7 +549,7 @@ def test_evaluating_an_episode_run_takes_its_episode_flags(tmp_path):
     # --eval-only and --ask read a run's settings: its episodes' too, else a 3-attempt run is evaluated on one
     flags = ["--demo", "--attempts", "2", "--max-turns", "3", "--max-turn-tokens", "4", "--max-new-tokens", "80",
              "--num-steps", "1", "--eval-every", "0", "--prompts-per-step", "2", "--num-samples", "2",
-             "--runs-dir", str(tmp_path), "--run-name", "episodes"]
+             "--runs-dir", str(tmp_path), "--run-name", "episodes", "--no-plot"]
     grpo.main(flags)
     for evaluation in (["--eval-only"], ["--ask", "31415"]):
         args = grpo.resolve_config(["--demo", "--init", str(tmp_path / "episodes"), *evaluation])

@@ -1106,7 +1106,7 @@ def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
     grpo.main(["--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--init", "scratch", "--depth", "1", "--n-embd", "32",
                "--n-head", "1", "--device", "cpu", "--runs-dir", str(tmp_path), "--run-name", "g", "--num-steps", "1",
                "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "1",
-               "--eval-examples", "3", "--final-eval-examples", "3", "--pass-k", "2", "--algo", "grpo"])
+               "--eval-examples", "3", "--final-eval-examples", "3", "--pass-k", "2", "--algo", "grpo", "--no-plot"])
     metrics = [json.loads(line) for line in open(tmp_path / "g" / "metrics.jsonl")]
     final = metrics[-1]
     assert final["step"] == 1 and final["eval_examples"] == 3
@@ -1231,7 +1231,7 @@ def test_under_gdpo_the_idle_advantage_neither_splits_runs_nor_picks_the_entropy
     for seed, advantage in (("0", "mean"), ("1", "rloo")):
         grpo.main(run_flags(tmp_path, f"g-seed{seed}", *gdpo, "--algo", "grpo", "--seed", seed, "--advantage",
                             advantage))
-    table = grpo.main(["--compare", str(tmp_path / "g-seed0"), str(tmp_path / "g-seed1")])
+    table = grpo.main(["--compare", str(tmp_path / "g-seed0"), str(tmp_path / "g-seed1"), "--no-plot"])
     assert len(table) == 2 and table[1][table[0].index("advantage")] == "gdpo" and table[1][
         table[0].index("seeds")] == 2
 
@@ -1370,7 +1370,7 @@ def test_reward_weights_combine_the_task_terms(tmp_path, gsm8k_dir):
     grpo.main(["--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--init", "scratch", "--depth", "1", "--n-embd", "32",
                "--n-head", "1", "--device", "cpu", "--runs-dir", str(tmp_path), "--run-name", "w", "--num-steps", "1",
                "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "0",
-               "--reward-weights", "correct=1,format=0.1"])
+               "--reward-weights", "correct=1,format=0.1", "--no-plot"])
     (step,) = [m for m in map(json.loads, open(tmp_path / "w" / "metrics.jsonl")) if "reward" in m]
     assert step["reward"] == pytest.approx(step["reward/correct"] + 0.1 * step["reward/format"])
     with pytest.raises(SystemExit):

@@ -271,7 +271,7 @@ def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_tra
 
 def test_a_runs_first_screen_is_the_flags_given_and_the_plans_peak_then_step_1(tmp_path, capsys):
     # every setting stays in config.json; --show-config prints them, and each part of the memory plan
-    flags = ["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path)]
+    flags = ["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--no-plot"]
     grpo.main(flags + ["--run-name", "short"])
     before_step = capsys.readouterr().out.split("step 1/1")[0].splitlines()
     assert len(before_step) <= 5, before_step  # threads, settings, the plan's peak, the optimizer

@@ -486,7 +486,7 @@ def test_a_jsonl_task_is_learned_from_scratch(tmp_path):
     path = write_jsonl(tmp_path / "max3.jsonl", max_of_three(400))
     grpo.main(["--demo", "--task", path, "--runs-dir", str(tmp_path / "runs"), "--run-name", "max3", "--num-steps",
                "30", "--eval-every", "30", "--eval-examples", "40", "--final-eval-examples", "40", "--save-every", "0",
-               "--log-samples", "0", "--init-lr-frac", "2.0"])
+               "--log-samples", "0", "--init-lr-frac", "2.0", "--no-plot"])
     evals = [json.loads(line) for line in open(tmp_path / "runs" / "max3" / "metrics.jsonl")]
     evals = [m["eval_correct"] for m in evals if "eval_correct" in m]
     assert evals[0] < 0.2 and evals[-1] >= 0.3, evals

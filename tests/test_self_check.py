@@ -10,8 +10,9 @@ import grpo
 import model as model_module
 from kernels import strict_varlen_attn
 
+# a small first batch: bf16 is slow on a CPU
 FLAGS = ["--demo", "--num-steps", "1", "--eval-every", "0", "--final-eval-examples", "1", "--dtype", "bfloat16",
-         "--prompts-per-step", "4", "--num-samples", "4", "--self-check"]  # a small first batch: bf16 is slow on a CPU
+         "--prompts-per-step", "4", "--num-samples", "4", "--self-check", "--no-plot"]
 FLOAT32 = ["float32" if flag == "bfloat16" else flag for flag in FLAGS]  # where the faults are large ones
 
 
