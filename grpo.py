@@ -311,8 +311,7 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
                  equal_groups=equal, widths=torch.tensor(widths))  # equal_groups [P], logged; widths [N]
     if args.aggregation == "nanochat":
         batch["pass_normalisers"] = pass_normalisers(loss_mask, G, args.pass_size)  # [N]
-    batch["micro_batches"], batch["minibatch_totals"], batch["row_minibatch"] = plan_micro_batches(batch, args,
-                                                                                                  static)
+    batch["micro_batches"], batch["minibatch_totals"], batch["row_minibatch"] = plan_micro_batches(batch, args, static)
     return batch
 
 
@@ -2311,10 +2310,8 @@ def check_config(args):
 def value_problems(args):
     """check_config's checks of one flag's value that its type cannot make -> [(bad, message)]."""
     lrs = ("lr", "matrix_lr", "embedding_lr", "unembedding_lr", "init_lr_frac", "lora_lr")
-    not_finite = [f"--{k.replace('_', '-')}" for k in lrs + ("weight_decay", "grad_clip", "clip_eps", "clip_eps_high",
-                "sapo_tau_pos", "sapo_tau_neg", "kl_coef", "distill_coef", "entropy_coef", "temperature", "min_lr_frac",
-                "lora_alpha")
-                if not math.isfinite(getattr(args, k))]
+    not_finite = [f"--{a.dest.replace('_', '-')}" for a in parser._actions if a.type is float  # every float flag
+                  and getattr(args, a.dest) is not None and not math.isfinite(getattr(args, a.dest))]
     return [
         (args.top_k < 0, "--top-k must be >= 0"),
         (args.clip_eps <= 0 or args.clip_eps_high <= 0, "--clip-eps and --clip-eps-high must be > 0"),
@@ -2872,7 +2869,8 @@ def compare_runs(run_dirs, plot_path):
     scores = {task_name(config["task"]): eval_score_key(config) for config in configs}
     print("first eval / eval = at the start / end of the run, greedy on held-out problems: "
           + ", ".join(f"{task} {key}" for task, key in scores.items())
-          + "; pass@k from --pass-k samples; a±b = mean ± std over the seeds"
+          + "; pass@k from --pass-k samples; kl, teacher kl, reply len: the last step's; clip frac, tok/s: the "
+          "mean over the steps; wall s: the whole run's; a±b = mean ± std over the seeds"
           + ("; " + ", ".join(k.removeprefix("eval_") for k in own) + ": the task's own eval metrics at the end"
              if own else "")
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))

@@ -642,7 +642,9 @@ def test_presets_and_explicit_overrides():
     (["--ref-reset-every", "5", "--kl-coef", "0"], "--kl-coef > 0"),
     (["--temperature", "0"], "temperature"),
     (["--sapo-tau-pos", "inf"], "error: --sapo-tau-pos must be finite"),  # past its > 0 check, named by the next
-    (["--lr", "nan", "--sapo-tau-neg", "inf"], "error: --lr, --sapo-tau-neg must be finite"),
+    (["--lr", "nan", "--sapo-tau-neg", "inf"], "error: --sapo-tau-neg, --lr must be finite"),  # in --help's order
+    (["--rollout-correction-cap", "inf"], "error: --rollout-correction-cap must be finite"),  # every float flag
+    (["--clip-ratio-c", "inf"], "error: --clip-ratio-c must be finite"),
     (["--distill-coef", "inf"], "error: --distill-coef must be finite"),  # a teacher's weight of inf: a NaN loss
     (["--num-minibatches", "1000"], "num-minibatches"),
     (["--overlong-buffer", "100"], "overlong-buffer"),
@@ -1213,7 +1215,11 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, 
     mean, std = rows["cfg"][header.index("reward(last10)")]
     assert mean == pytest.approx((sum(rewards[:2]) / 2 + sum(rewards[2:]) / 2) / 2)
     assert std == pytest.approx(abs(sum(rewards[:2]) - sum(rewards[2:])) / 2 / 2 ** 0.5)
-    assert "±" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "±" in out and "kl, teacher kl, reply len: the last step's; clip frac, tok/s: the mean over the steps" in out
+    steps = [m for m in map(json.loads, open(other / "cfg-seed0" / "metrics.jsonl")) if "reward" in m]
+    assert rows["cfg-seed0"][header.index("kl")] == steps[-1]["kl"] and rows["cfg-seed0"][header.index(
+        "clip frac")] == pytest.approx(sum(m["clip_frac"] for m in steps) / len(steps)), steps  # as the legend says
     # runs that share a folder name but not a configuration keep their parent folder in the name
     table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(other / "cfg-seed0"), "--runs-dir", str(tmp_path)])
     assert sorted(row[0] for row in table[1:]) == sorted([os.path.join(tmp_path.name, "cfg-seed0"), "other/cfg-seed0"])
