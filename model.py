@@ -168,9 +168,10 @@ class KVCache:
             shape = (B, self.max_len, H, hd) if self.static else (B, H, self.max_len, hd)
             self.k = [k.new_zeros(shape) for _ in range(self.n_layer)]
             self.v = [v.new_zeros(shape) for _ in range(self.n_layer)]
-        if self.static:  # one token per row, written at the column pos points to
-            self.k[layer].index_copy_(1, self.pos.view(1), k.transpose(1, 2))
-            self.v[layer].index_copy_(1, self.pos.view(1), v.transpose(1, 2))
+        if self.static:  # T tokens a row (a decode step's one), written from the column pos points to
+            columns = self.pos + torch.arange(k.size(2), device=k.device)
+            self.k[layer].index_copy_(1, columns, k.transpose(1, 2))
+            self.v[layer].index_copy_(1, columns, v.transpose(1, 2))
             return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
         end = self.pos + k.size(2)
         self.k[layer][:, :, self.pos:end] = k
@@ -225,7 +226,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         if cache is not None:
             k, v = cache.update(layer, k, v)  # [B, H_kv, S, hd] with S = everything cached so far
-            if cache.static and cache.flash:  # a GPU's decode step (flash_decode_takes)
+            if cache.static and cache.flash and T == 1:  # a GPU's decode step (flash_decode_takes)
                 return self.c_proj(cached_attention(q, cache, layer, self.window).reshape(B, T, C))
         # On a GPU, SDPA's first choice for a masked call may be cuDNN attention, which builds a plan for every new
         # shape (~14 ms of CPU each); efficient attention takes any shape as it comes (math where it cannot, GQA).
@@ -690,20 +691,19 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     """Sample `num_samples` replies for each prompt (lists of token ids, any lengths), all in one batch.
     `seed` is an int, or one int per prompt. `tool` (a task's, e.g. GSM8K's calculator) maps the text of a
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
-    `decode`: "dynamic": attention over the columns written so far, finished rows leave the batch (least work: the
-    CPU's default). "static": the same shapes step after step (KVCache.make_static), finished rows staying, masked,
-    until half the batch has finished: then the batch halves (the running rows, finished ones to fill it). "graph":
-    static, each batch size's step captured once as a CUDA graph and replayed, one launch a step (CUDA's default: a
-    step of small kernels is bound by launches). With model.use_compile a static step runs compiled, captured or
-    not. The same tokens either way, up to rounding (each row's noise is its own, wherever it sits in the batch).
+    `decode`: "dynamic": attention over the columns written so far, finished rows leave the batch (the CPU's default).
+    "static": the same shapes every step (KVCache.make_static), finished rows staying, masked, until half the batch
+    has finished: then it halves (the running rows, finished ones to fill it). "graph": static, each batch size's
+    step a captured CUDA graph, replayed (CUDA's default: small kernels are bound by launches). With model.use_compile
+    a static step runs compiled. The same tokens either way, up to rounding (each row's noise is its own).
     `ends` (the self-check's): [N] the step at which each row is made to end, its stop token forced (mask 0), or -1.
-    `respond` (an episode of several turns): called as respond(row, tokens, mask), the row's output index and its
-    tokens and mask so far (lists), when a row samples <|assistant_end|>; it returns the next user message as text,
-    and <|user_start|> message <|user_end|> <|assistant_start|> is forced into the row (mask 0, log-prob 0, as
-    render_conversation renders a conversation) and the row samples on; or None, and the row ends there. A sampled
-    <|bos|> ends a row as always, without asking. Forced tokens take columns of max_new_tokens like sampled ones.
-    `max_turn_tokens` (with respond): a turn that has sampled this many tokens gets its <|assistant_end|> forced
-    (mask 0), and the environment is asked as after a sampled one, so that turns, not the budget, end a babbling row.
+    `respond` (episodes of several turns): respond(row, tokens, mask), the row's output index and its tokens and
+    mask so far (lists), called when a row samples <|assistant_end|>, returns the next user message, forced into the
+    row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as render_conversation has
+    it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens;
+    those every running row has queued (turns that ended together) go through the model in one forward.
+    `max_turn_tokens` (with respond): a turn that has sampled this many gets its <|assistant_end|> forced (mask 0),
+    and the environment is asked as after a sampled one: turns, not the budget, end a babbling row.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -728,13 +728,11 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
     sampled, sampled_logprob = sample_tokens(logits, temperature, top_k, noise[:, 0], model.generation.softcap)
 
-    tokens = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
-    mask = torch.zeros(N, max_new_tokens, dtype=torch.long, device=device)
+    tokens, mask = (torch.zeros(N, max_new_tokens, dtype=torch.long, device=device) for _ in range(2))
     logprobs = torch.zeros(N, max_new_tokens, device=device)
     lengths = torch.full((N,), max_new_tokens, device=device)
-    truncated = torch.ones(N, dtype=torch.bool, device=device)
+    truncated, done = torch.ones(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
     rows = torch.arange(N, device=device)  # which output row each row of the running batch is
-    done = torch.zeros(N, dtype=torch.bool, device=device)
     forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
     num_forced = torch.zeros(N, dtype=torch.long, device=device)
     turn_tokens = torch.zeros(N, dtype=torch.long, device=device)  # tokens sampled in each row's current turn
@@ -743,7 +741,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device)
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
-    for t in range(max_new_tokens):
+    t = 0
+    while True:
         ending = ends[rows] == t
         forced_end = ending
         if respond is not None:  # episodes only: a one-turn batch's step does no more work than before
@@ -765,9 +764,9 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         truncated[rows] &= ~stopped
         done |= stopped
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
-        # One host sync per step for the whole batch, not one per row.
-        num_running, any_call, *any_turn_end = torch.stack([(~done).sum(), calls.any()] + (
-            [turn_ends.any()] if respond is not None else [])).tolist()
+        # One host sync per step for the whole batch, not one per row (ahead: the fewest forced tokens queued in a row)
+        num_running, any_call, ahead, *any_turn_end = torch.stack([(~done).sum(), calls.any(), num_forced.masked_fill(
+            done, max_new_tokens).min()] + ([turn_ends.any()] if respond is not None else [])).tolist()
         if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
             forced, num_forced, num_running = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
                                                            num_forced, (lengths, truncated, done), num_running)
@@ -775,6 +774,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
             forced, num_forced = call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced)
+        ahead = None if any_call or any(any_turn_end) else ahead  # queues just filled: counted again
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
@@ -782,9 +782,27 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
                                                                                     num_forced, turn_tokens))
             if decode != "dynamic":
                 step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
-        sampled, sampled_logprob = step(token, noise[rows, t + 1])
+        sampled, sampled_logprob, forced, num_forced, t = next_columns(
+            model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done, ahead)
     return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
                                         truncated=truncated).items()}
+
+
+def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
+                 ahead):
+    """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
+    row's next tokens are forced (turns that ended together, answered; ahead: the fewest queued, None: count them),
+    the token and k of those go through the model in one forward, their columns written here (mask and log-probs
+    0), not a decode step each; the last column stays a step's."""
+    if ahead is None:
+        ahead = int(num_forced.masked_fill(done, tokens.size(1)).min())  # a step that called Python has synced
+    k = min(ahead, tokens.size(1) - 2 - t)
+    if k < 1:
+        return (*step(token, noise[rows, t + 1]), forced, num_forced, t + 1)
+    run = torch.cat([token[:, None], forced[:, :k].masked_fill(done[:, None], 0)], dim=1)  # [B, k + 1]
+    tokens[rows, t + 1:t + k + 1] = run[:, 1:]
+    sampled = decode_step(model, cache, temperature, top_k, run, noise[rows, t + k + 1])  # eager: a shape of its own
+    return (*sampled, forced.roll(-k, dims=1), (num_forced - k).clamp(min=0), t + k + 1)
 
 
 def prefill(model, prompts, num_samples, max_new_tokens, static):
@@ -1073,8 +1091,9 @@ def pack_micro_batch(mb, widths, budget, static):
 
 
 def decode_step(model, cache, temperature, top_k, token, noise):
-    """token [N] -> (sampled [N], log-probs [N]): one token through the model with the cache, then sampled."""
-    logits = model(token[:, None], cache, softcap=False)[:, -1]  # [N, V]
+    """token [N] (or a run of them [N, T]) -> (sampled [N], log-probs [N]): through the model with the cache, the
+    next token sampled."""
+    logits = model.logits(model.hidden(token.view(token.size(0), -1), cache)[:, -1], softcap=False)  # [N, V]
     return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
 
 

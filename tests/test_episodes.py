@@ -1,5 +1,6 @@
 """Episodes of several turns: a task that answers the assistant (tasks/__init__.py, respond), the sampler forcing
 its turns (model.generate's respond), their masking, grading and errors."""
+import copy
 import json
 
 import pytest
@@ -73,6 +74,41 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
             assert len(ends) == turns[row] or tokens[-1] == TOK.bos
     assert answered >= 6  # most episodes got their answers in
     assert (capped > 0) == ("max_turn_tokens" in options)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
+def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_forward(decode, monkeypatch):
+    # Turns capped at 5 sampled tokens end together; rows end after 1 to 3 turns (the static batch halving), each
+    # answer forced into every running row at once: the tokens all of them have queued go through the model in one
+    # forward, not a decode step each (on the CPU the graph's step runs uncaptured). The same tokens, masks and
+    # lengths as a step per token; log-probs within float32's rounding: 3x the per-token path's distance from a
+    # float64 copy's (rows whose tokens the copy samples too)
+    prompts = random_tokens(5, 9, 7)
+    model = random_model("smear-backout")
+    turns = [1, 2, 3, 3, 2, 3, 1, 3, 3, 2, 3, 3]
+    forwards, decode_step, per_column = [], model_module.decode_step, model_module.next_columns
+    monkeypatch.setattr(model_module, "decode_step", lambda net, cache, temperature, top_k, token, noise: (
+        forwards.append(token.numel() // token.size(0)) or decode_step(net, cache, temperature, top_k, token, noise)))
+
+    def sampled(net, mode, one_forward_a_run):
+        forwards.clear()
+        with monkeypatch.context() as patched:
+            if not one_forward_a_run:  # ahead 0: no run is known to be every row's
+                patched.setattr(model_module, "next_columns", lambda *args: per_column(*args[:-1], 0))
+            out = generate(net, TOK, prompts, 4, 48, top_k=50, seed=3, decode=mode, respond=answering(turns)[0],
+                           max_turn_tokens=5)
+        return out, list(forwards)
+    (runs, run_widths), (steps, step_widths) = sampled(model, decode, True), sampled(model, decode, False)
+    # the same columns through the model, a whole answer's in one forward
+    assert set(step_widths) == {1} and sum(run_widths) == sum(step_widths) and len(run_widths) < len(step_widths)
+    assert max(run_widths) > len(rendered_user_turn("again 1.1"))
+    for key in ("tokens", "mask", "lengths", "truncated"):
+        assert torch.equal(runs[key], steps[key]), key
+    exact = sampled(copy.deepcopy(model).double(), "dynamic", False)[0]
+    same = (exact["tokens"] == steps["tokens"]).all(1) & (exact["lengths"] == steps["lengths"])
+    assert same.sum() >= 6
+    rounding = (exact["logprobs"] - steps["logprobs"])[same].abs().max()
+    assert 0 < (exact["logprobs"] - runs["logprobs"])[same].abs().max() <= 3 * rounding
 
 
 @pytest.mark.cuda
