@@ -78,32 +78,36 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
 
 @pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
 def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_forward(decode, monkeypatch):
-    # Turns capped at 5 sampled tokens end together; rows end after 1 to 3 turns (the static batch halving), each
-    # answer forced into every running row at once: the tokens all of them have queued go through the model in one
-    # forward, not a decode step each (on the CPU the graph's step runs uncaptured). The same tokens, masks and
-    # lengths as a step per token; log-probs within float32's rounding: 3x the per-token path's distance from a
-    # float64 copy's (rows whose tokens the copy samples too)
-    prompts = random_tokens(5, 9, 7)
+    # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12 and 30, each
+    # answered by the environment, a third of the rows ending their episodes after each turn (the static batch
+    # halving): the tokens that every running row has queued go through the model in one forward, not a decode step
+    # each (on the CPU the graph's step runs uncaptured). The same tokens, masks and lengths as a step per token;
+    # log-probs within float32's rounding: 3x the per-token path's distance from a float64 copy's
+    from bench_shared import placed_at
+    prompts, turns = random_tokens(5, 9, 7), [1, 2, 3] * 4
     model = random_model("smear-backout")
-    turns = [1, 2, 3, 3, 2, 3, 1, 3, 3, 2, 3, 3]
+    marks = torch.zeros(12, 48, dtype=torch.long)
+    marks[:, 1], marks[:, 4], marks[:, 12], marks[:, 30] = 1, 2, 3, 3  # python_start, python_end, assistant_end
     forwards, decode_step, per_column = [], model_module.decode_step, model_module.next_columns
     monkeypatch.setattr(model_module, "decode_step", lambda net, cache, temperature, top_k, token, noise: (
         forwards.append(token.numel() // token.size(0)) or decode_step(net, cache, temperature, top_k, token, noise)))
 
     def sampled(net, mode, one_forward_a_run):
         forwards.clear()
-        with monkeypatch.context() as patched:
+        with monkeypatch.context() as patched, placed_at(marks, (TOK.python_start, TOK.python_end, TOK.assistant_end),
+                                                         TOK.vocab_size):
             if not one_forward_a_run:  # ahead 0: no run is known to be every row's
                 patched.setattr(model_module, "next_columns", lambda *args: per_column(*args[:-1], 0))
             out = generate(net, TOK, prompts, 4, 48, top_k=50, seed=3, decode=mode, respond=answering(turns)[0],
-                           max_turn_tokens=5)
+                           tool=lambda code: str(len(code)))
         return out, list(forwards)
     (runs, run_widths), (steps, step_widths) = sampled(model, decode, True), sampled(model, decode, False)
-    # the same columns through the model, a whole answer's in one forward
-    assert set(step_widths) == {1} and sum(run_widths) == sum(step_widths) and len(run_widths) < len(step_widths)
-    assert max(run_widths) > len(rendered_user_turn("again 1.1"))
+    # the same columns through the model; the tool's answer and the environment's in one forward each
+    assert set(step_widths) == {1} and sum(run_widths) == sum(step_widths)
+    assert len(run_widths) <= len(step_widths) - 3 - 2 * (len(rendered_user_turn("again 1.1")) - 1), run_widths
     for key in ("tokens", "mask", "lengths", "truncated"):
         assert torch.equal(runs[key], steps[key]), key
+    assert (runs["lengths"] < 48).sum() == 8 and (runs["tokens"] == TOK.output_end).sum(1).min() == 1
     exact = sampled(copy.deepcopy(model).double(), "dynamic", False)[0]
     same = (exact["tokens"] == steps["tokens"]).all(1) & (exact["lengths"] == steps["lengths"])
     assert same.sum() >= 6
