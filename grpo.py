@@ -2870,7 +2870,7 @@ def compare_runs(run_dirs, plot_path):
     print("first eval / eval = at the start / end of the run, greedy on held-out problems: "
           + ", ".join(f"{task} {key}" for task, key in scores.items())
           + "; pass@k from --pass-k samples; kl, teacher kl, reply len: the last step's; clip frac, tok/s: the "
-          "mean over the steps; wall s: the whole run's; a±b = mean ± std over the seeds"
+          "mean over the steps; wall s: at the last step's end; a±b = mean ± std over the seeds"
           + ("; " + ", ".join(k.removeprefix("eval_") for k in own) + ": the task's own eval metrics at the end"
              if own else "")
           + ("; " + ", ".join(watched) + ": the watched tasks' eval score at the end" if watched else ""))

@@ -169,7 +169,7 @@ class KVCache:
             self.k = [k.new_zeros(shape) for _ in range(self.n_layer)]
             self.v = [v.new_zeros(shape) for _ in range(self.n_layer)]
         if self.static:  # T tokens a row (a decode step's one), written from the column pos points to
-            columns = self.pos + torch.arange(k.size(2), device=k.device)
+            columns = self.pos.view(1) if k.size(2) == 1 else self.pos + torch.arange(k.size(2), device=k.device)
             self.k[layer].index_copy_(1, columns, k.transpose(1, 2))
             self.v[layer].index_copy_(1, columns, v.transpose(1, 2))
             return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
@@ -764,9 +764,9 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         truncated[rows] &= ~stopped
         done |= stopped
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
-        # One host sync per step for the whole batch, not one per row (ahead: the fewest forced tokens queued in a row)
-        num_running, any_call, ahead, *any_turn_end = torch.stack([(~done).sum(), calls.any(), num_forced.masked_fill(
-            done, max_new_tokens).min()] + ([turn_ends.any()] if respond is not None else [])).tolist()
+        ahead = forced_ahead(num_forced, done, ends[rows] - t)  # one host sync a step for the batch, not one a row:
+        num_running, any_call, ahead, *any_turn_end = torch.stack([(~done).sum(), calls.any(), ahead] + (
+            [turn_ends.any()] if respond is not None else [])).tolist()
         if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
             forced, num_forced, num_running = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
                                                            num_forced, (lengths, truncated, done), num_running)
@@ -774,7 +774,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
             forced, num_forced = call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced)
-        ahead = None if any_call or any(any_turn_end) else ahead  # queues just filled: counted again
+        ahead = int(forced_ahead(num_forced, done, ends[rows] - t)) if any_call or any(any_turn_end) else ahead
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
@@ -788,15 +788,25 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
                                         truncated=truncated).items()}
 
 
+# A forced run's forward holds FORCED_RUN_CHUNK + 1 tokens a row of one layer's activations (on the CPU also their
+# attention scores): at 32, about 1% of the KV cache the memory plan counts a row at d20 (its full length's)
+FORCED_RUN_CHUNK = 32
+
+
+def forced_ahead(num_forced, done, to_end):
+    """-> (0-dim) the columns every running row has forced next: its queue, and none at or past its `ends` step
+    (to_end: that step - this one). generate counts it again after the environment or the tool queued tokens."""
+    ahead = torch.where(to_end > 0, torch.minimum(num_forced, to_end - 1), num_forced)
+    return ahead.masked_fill(done, torch.iinfo(ahead.dtype).max).min()
+
+
 def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
                  ahead):
     """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
-    row's next tokens are forced (turns that ended together, answered; ahead: the fewest queued, None: count them),
-    the token and k of those go through the model in one forward, their columns written here (mask and log-probs
-    0), not a decode step each; the last column stays a step's."""
-    if ahead is None:
-        ahead = int(num_forced.masked_fill(done, tokens.size(1)).min())  # a step that called Python has synced
-    k = min(ahead, tokens.size(1) - 2 - t)
+    row's next tokens are forced (turns that ended together, answered; ahead: forced_ahead), the token and k of those
+    go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
+    written here, their mask and log-probs stay 0; the last column stays a step's."""
+    k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)
     if k < 1:
         return (*step(token, noise[rows, t + 1]), forced, num_forced, t + 1)
     run = torch.cat([token[:, None], forced[:, :k].masked_fill(done[:, None], 0)], dim=1)  # [B, k + 1]
