@@ -701,7 +701,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     mask so far (lists), called when a row samples <|assistant_end|>, returns the next user message, forced into the
     row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as render_conversation has
     it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens;
-    those every running row has queued (turns that ended together) go through the model in one forward.
+    those every running row has queued (once all turns have ended) go through the model in chunks, a forward each.
     `max_turn_tokens` (with respond): a turn that has sampled this many gets its <|assistant_end|> forced (mask 0),
     and the environment is asked as after a sampled one: turns, not the budget, end a babbling row.
 
@@ -803,7 +803,7 @@ def forced_ahead(num_forced, done, to_end):
 def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
                  ahead):
     """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
-    row's next tokens are forced (turns that ended together, answered; ahead: forced_ahead), the token and k of those
+    row's next tokens are forced (all turns ended and answered; ahead: forced_ahead), the token and k of those
     go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
     written here, their mask and log-probs stay 0; the last column stays a step's."""
     k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)

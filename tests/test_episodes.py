@@ -78,17 +78,19 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
 
 @pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
 def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_forward(decode, monkeypatch):
-    # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12 and 38, each
-    # answered by the environment (the second answer cut at the budget's end), a third of the rows ending their
-    # episodes after each turn (finished rows with spent queues in the batch; the static batch halving): the tokens
-    # that every running row has queued go through the model in one forward, not a decode step each (on the CPU the
-    # graph's step runs uncaptured). The same tokens, masks and lengths as a step per token; log-probs within
-    # float32's rounding: 3x the per-token path's distance from a float64 copy's
+    # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12-14 and 38-39,
+    # each answered by the environment (the second answer cut at the budget's end), a third of the rows ending their
+    # episodes after each turn (finished rows with spent queues in the batch; the static batch halving): once every
+    # running row is forcing, what they all have queued goes through the model in one forward, not a decode step
+    # each (on the CPU the graph's step runs uncaptured). The same tokens, masks and lengths as a step per token;
+    # log-probs within float32's rounding: 3x the per-token path's distance from a float64 copy's
     from bench_shared import placed_at
     prompts, turns = random_tokens(5, 9, 7), [1, 2, 3] * 4
     model = random_model("smear-backout")
     marks = torch.zeros(12, 48, dtype=torch.long)
-    marks[:, 1], marks[:, 4], marks[:, 12], marks[:, 38] = 1, 2, 3, 3  # python_start, python_end, assistant_end
+    marks[:, 1], marks[:, 4] = 1, 2  # python_start, python_end
+    for row in range(12):  # assistant_end
+        marks[row, 12 + row % 3] = marks[row, 38 + row % 2] = 3
     forwards, decode_step, per_column = [], model_module.decode_step, model_module.next_columns
     monkeypatch.setattr(model_module, "decode_step", lambda net, cache, temperature, top_k, token, noise: (
         forwards.append(token.numel() // token.size(0)) or decode_step(net, cache, temperature, top_k, token, noise)))
@@ -105,7 +107,7 @@ def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_f
     (runs, run_widths), (steps, step_widths) = sampled(model, decode, True), sampled(model, decode, False)
     # the same columns through the model; the tool's answer and the environment's in one forward each
     assert set(step_widths) == {1} and sum(run_widths) == sum(step_widths)
-    assert len(run_widths) <= len(step_widths) - 2 - (len(rendered_user_turn("again 1.1")) - 1) - 6, run_widths
+    assert len(run_widths) <= len(step_widths) - 3 - (len(rendered_user_turn("again 1.1")) - 2) - 6, run_widths
     for key in ("tokens", "mask", "lengths", "truncated"):
         assert torch.equal(runs[key], steps[key]), key
     assert (runs["lengths"] < 48).sum() == 8 and (runs["tokens"] == TOK.output_end).sum(1).min() == 1
