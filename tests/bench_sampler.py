@@ -7,6 +7,7 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
     python tests/bench_sampler.py --decode static --compile   # the decode step of static shapes, compiled
     python tests/bench_sampler.py --real-lengths --max-new-tokens 256 --decode static   # replies end at GSM8K's lengths
     python tests/bench_sampler.py --attempts 3 --max-new-tokens 32   # episodes of 3 turns of 32 sampled tokens
+    python tests/bench_sampler.py --calculator --max-new-tokens 64   # a tool's answer forced into every reply
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
@@ -16,7 +17,9 @@ The random model never emits a stop token, so every row generates exactly --max-
 With several generations (same shape), their timings interleave, so that a busy machine slows them alike.
 --attempts K: batched episodes of K turns, each of --max-new-tokens sampled tokens (its end forced there,
 --max-turn-tokens) and answered by a --attempts feedback message forced into the row, against single-turn replies
-of as many sampled tokens: what the environment's forced tokens cost, a decode step each.
+of as many sampled tokens: what the environment's forced tokens cost.
+--calculator: each reply opens a python block at its own column and closes it 4 later, a tool's answer (6 tokens
+with its marks) forced after it, as GSM8K's calculator, against replies without one.
 """
 import argparse
 import os
@@ -26,7 +29,7 @@ from contextlib import nullcontext
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_shared import describe, gsm8k_reply_lengths, stopping_at, timed  # noqa: E402
+from bench_shared import describe, gsm8k_reply_lengths, placed_at, stopping_at, timed  # noqa: E402
 from model import GENERATIONS, GPT, GPTConfig, Tokenizer, generate, sample_tokens  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +50,7 @@ parser.add_argument("--real-lengths", action="store_true", help="batched replies
 parser.add_argument("--gsm8k-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k"))
 parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_shared.py")
 parser.add_argument("--attempts", type=int, default=0, help="episodes of this many turns against single-turn replies")
+parser.add_argument("--calculator", action="store_true", help="replies with a tool's answer forced, against plain ones")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -110,6 +114,17 @@ def episodes(model):
     return int(out["mask"].sum())  # sampled tokens, as the single-turn way counts
 
 
+def with_tool(model):
+    rows = torch.arange(args.prompts * args.samples)
+    opens = torch.randint(1, args.max_new_tokens // 2, (len(rows),), generator=torch.Generator().manual_seed(0))
+    marks = torch.zeros(len(rows), args.max_new_tokens, dtype=torch.long)
+    marks[rows, opens], marks[rows, opens + 4] = 1, 2  # <|python_start|>, <|python_end|> at each row's own columns
+    with placed_at(marks, (tokenizer.python_start, tokenizer.python_end), 256):  # sampled ids folded into bytes
+        out = generate(model, tokenizer, prompts, args.samples, args.max_new_tokens, temperature=1.0, top_k=50,
+                       decode=args.decode, tool=lambda code: "1234")
+    return int(out["mask"].sum())  # sampled tokens
+
+
 lengths = None
 if args.real_lengths:
     lengths = gsm8k_reply_lengths(tokenizer, args.gsm8k_dir, args.bytes_per_token, args.prompts * args.samples,
@@ -124,6 +139,8 @@ with autocast:
         ways = [(f"single turn, {args.attempts} x", single_turn), (f"{args.attempts}-turn episodes", episodes)]
         print(f"an episode: {args.attempts} x {args.max_new_tokens} sampled tokens, {args.attempts - 1} forced user "
               f"turns of {len(tokenizer.encode(FEEDBACK)) + 3} tokens, {args.attempts} forced ends")
+    if args.calculator:
+        ways = [("batched, one call", batched), ("a calculator call a reply", with_tool)]
     for name, fn in ways:
         runs = {generation: [] for generation in models}
         for _ in range(args.repeats):
