@@ -701,7 +701,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     mask so far (lists), called when a row samples <|assistant_end|>, returns the next user message, forced into the
     row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as render_conversation has
     it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens;
-    those every running row has queued (once all turns have ended) go through the model in chunks, a forward each.
+    those every running row has queued (turns ended and answered, tools' outputs) go through the model in chunks.
     `max_turn_tokens` (with respond): a turn that has sampled this many gets its <|assistant_end|> forced (mask 0),
     and the environment is asked as after a sampled one: turns, not the budget, end a babbling row.
 
@@ -738,7 +738,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     turn_tokens = torch.zeros(N, dtype=torch.long, device=device)  # tokens sampled in each row's current turn
     cap = max_turn_tokens if respond is not None and max_turn_tokens else max_new_tokens + 1
     stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
-    ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device)
+    ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device).long()
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
     t = 0
@@ -757,7 +757,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
         stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids))
         if respond is not None:  # a turn's end: the row runs on until the environment has said whether it answers
-            turn_ends = ~done & (~is_forced | capped) & (token == tokenizer.assistant_end)
+            turn_ends = ~done & ~ending & (~is_forced | capped) & (token == tokenizer.assistant_end)
             stopped &= ~turn_ends
             turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
         lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
@@ -803,7 +803,7 @@ def forced_ahead(num_forced, done, to_end):
 def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
                  ahead):
     """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
-    row's next tokens are forced (all turns ended and answered; ahead: forced_ahead), the token and k of those
+    row's next tokens are forced (answers, tools' outputs; ahead: forced_ahead), the token and k of those
     go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
     written here, their mask and log-probs stay 0; the last column stays a step's."""
     k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)

@@ -78,19 +78,25 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
 
 @pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
 def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_forward(decode, monkeypatch):
-    # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12-14 and 38-39,
-    # each answered by the environment (the second answer cut at the budget's end), a third of the rows ending their
-    # episodes after each turn (finished rows with spent queues in the batch; the static batch halving): once every
-    # running row is forcing, what they all have queued goes through the model in one forward, not a decode step
-    # each (on the CPU the graph's step runs uncaptured). The same tokens, masks and lengths as a step per token;
-    # log-probs within float32's rounding: 3x the per-token path's distance from a float64 copy's
+    # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12-14 and 72-73,
+    # each answered by the environment in 52-53 tokens (the second answer cut at the budget's end), a third of the
+    # rows ending their episodes after each turn (finished rows with spent queues in the batch; the static batch
+    # halving): once every running row is forcing, what they all have queued goes through the model in forwards of
+    # FORCED_RUN_CHUNK tokens at most, not a decode step each (on the CPU the graph's step runs uncaptured). The same
+    # tokens, masks and lengths as a step per token; log-probs within float32's rounding: 3x the per-token path's
+    # distance from a float64 copy's
     from bench_shared import placed_at
     prompts, turns = random_tokens(5, 9, 7), [1, 2, 3] * 4
     model = random_model("smear-backout")
-    marks = torch.zeros(12, 48, dtype=torch.long)
+    marks = torch.zeros(12, 96, dtype=torch.long)
     marks[:, 1], marks[:, 4] = 1, 2  # python_start, python_end
     for row in range(12):  # assistant_end
-        marks[row, 12 + row % 3] = marks[row, 38 + row % 2] = 3
+        marks[row, 12 + row % 3] = marks[row, 72 + row % 2] = 3
+    answer = answering(turns)[0]
+
+    def respond(row, tokens, mask):  # answering's message, 52-53 tokens rendered
+        message = answer(row, tokens, mask)
+        return message and message + " and again" * 4
     forwards, decode_step, per_column = [], model_module.decode_step, model_module.next_columns
     monkeypatch.setattr(model_module, "decode_step", lambda net, cache, temperature, top_k, token, noise: (
         forwards.append(token.numel() // token.size(0)) or decode_step(net, cache, temperature, top_k, token, noise)))
@@ -101,16 +107,16 @@ def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_f
                                                          TOK.vocab_size):
             if not one_forward_a_run:  # ahead 0: no run is known to be every row's
                 patched.setattr(model_module, "next_columns", lambda *args: per_column(*args[:-1], 0))
-            out = generate(net, TOK, prompts, 4, 48, top_k=50, seed=3, decode=mode, respond=answering(turns)[0],
-                           tool=lambda code: str(len(code)))
+            out = generate(net, TOK, prompts, 4, 96, top_k=50, seed=3, decode=mode, tool=lambda code: str(len(code)),
+                           respond=respond)
         return out, list(forwards)
     (runs, run_widths), (steps, step_widths) = sampled(model, decode, True), sampled(model, decode, False)
-    # the same columns through the model; the tool's answer and the environment's in one forward each
+    # the same columns through the model, fewer forwards: the tool's answer and the environment's in runs
     assert set(step_widths) == {1} and sum(run_widths) == sum(step_widths)
-    assert len(run_widths) <= len(step_widths) - 3 - (len(rendered_user_turn("again 1.1")) - 2) - 6, run_widths
+    assert max(run_widths) == model_module.FORCED_RUN_CHUNK + 1 and len(run_widths) <= len(step_widths) - 60
     for key in ("tokens", "mask", "lengths", "truncated"):
         assert torch.equal(runs[key], steps[key]), key
-    assert (runs["lengths"] < 48).sum() == 8 and (runs["tokens"] == TOK.output_end).sum(1).min() == 1
+    assert (runs["lengths"] < 96).sum() == 8 and (runs["tokens"] == TOK.output_end).sum(1).min() == 1
     exact = sampled(copy.deepcopy(model).double(), "dynamic", False)[0]
     same = (exact["tokens"] == steps["tokens"]).all(1) & (exact["lengths"] == steps["lengths"])
     assert same.sum() >= 6
@@ -118,15 +124,18 @@ def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_f
     assert 0 < (exact["logprobs"] - runs["logprobs"])[same].abs().max() <= 3 * rounding
 
 
-def test_a_stop_made_at_a_column_inside_a_forced_run_ends_the_row_there():
-    # generate's `ends` (the self-check's stops) on a column that a forced run covers: the run stops short of it
+def test_a_stop_made_at_a_column_inside_a_forced_run_or_at_a_capped_turns_end_ends_the_row_there():
+    # generate's `ends` (the self-check's stops) on a column that a forced run covers: the run stops short of it;
+    # on the column where --max-turn-tokens forces a turn's end: the row ends, the environment is not asked
     from bench_shared import placed_at
     model, prompts, marks = random_model("padded-vocab", n_layer=2), random_tokens(6, 4), torch.zeros(2, 30).long()
     marks[:, 3] = 3  # both rows end their first turn at column 3, answered together (columns 4-17)
+    respond = lambda row, tokens, mask: "hello there" if tokens.count(TOK.assistant_end) < 2 else None  # noqa: E731
     with placed_at(marks, (TOK.python_start, TOK.python_end, TOK.assistant_end), TOK.vocab_size):
-        out = generate(model, TOK, prompts, 1, 30, seed=0, ends=[8, -1],
-                       respond=lambda row, tokens, mask: "hello there" if tokens.count(TOK.assistant_end) < 2 else None)
+        out = generate(model, TOK, prompts, 1, 30, seed=0, ends=torch.tensor([8.0, -1.0]), respond=respond)
     assert out["lengths"][0] == 9 and not out["truncated"][0] and out["tokens"][0, 8] == TOK.assistant_end
+    capped = generate(model, TOK, prompts, 1, 30, seed=0, ends=[1, -1], max_turn_tokens=1, respond=respond)
+    assert capped["lengths"][0] == 2 and capped["tokens"][0, 1] == TOK.assistant_end and capped["lengths"][1] > 2
 
 
 @pytest.mark.cuda
