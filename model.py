@@ -788,33 +788,6 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
                                         truncated=truncated).items()}
 
 
-# A forced run's forward holds FORCED_RUN_CHUNK + 1 tokens a row of one layer's activations (on the CPU also their
-# attention scores): at 32, about 1% of the KV cache the memory plan counts a row at d20 (its full length's)
-FORCED_RUN_CHUNK = 32
-
-
-def forced_ahead(num_forced, done, to_end):
-    """-> (0-dim) the columns every running row has forced next: its queue, and none at or past its `ends` step
-    (to_end: that step - this one). generate counts it again after the environment or the tool queued tokens."""
-    ahead = torch.where(to_end > 0, torch.minimum(num_forced, to_end - 1), num_forced)
-    return ahead.masked_fill(done, torch.iinfo(ahead.dtype).max).min()
-
-
-def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
-                 ahead):
-    """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
-    row's next tokens are forced (answers, tools' outputs; ahead: forced_ahead), the token and k of those
-    go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
-    written here, their mask and log-probs stay 0; the last column stays a step's."""
-    k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)
-    if k < 1:
-        return (*step(token, noise[rows, t + 1]), forced, num_forced, t + 1)
-    run = torch.cat([token[:, None], forced[:, :k].masked_fill(done[:, None], 0)], dim=1)  # [B, k + 1]
-    tokens[rows, t + 1:t + k + 1] = run[:, 1:]
-    sampled = decode_step(model, cache, temperature, top_k, run, noise[rows, t + k + 1])  # eager: a shape of its own
-    return (*sampled, forced.roll(-k, dims=1), (num_forced - k).clamp(min=0), t + k + 1)
-
-
 def prefill(model, prompts, num_samples, max_new_tokens, static):
     """Every prompt through the model once, left-padded so that all rows end at the same column -> (the KV cache,
     with each prompt's rows repeated for its samples; static: KVCache.make_static; the logits of each sample's first
@@ -903,6 +876,33 @@ def rows_to_keep(done, num_running, decode):
     return torch.sort(done.int(), stable=True).indices[:batch]
 
 
+# A forced run's forward holds FORCED_RUN_CHUNK + 1 tokens a row of one layer's activations (on the CPU also their
+# attention scores): at 32, about 1% of the KV cache the memory plan counts a row at d20 (its full length's)
+FORCED_RUN_CHUNK = 32
+
+
+def forced_ahead(num_forced, done, to_end):
+    """-> (0-dim) the columns every running row has forced next: its queue, and none at or past its `ends` step
+    (to_end: that step - this one). generate counts it again after the environment or the tool queued tokens."""
+    ahead = torch.where(to_end > 0, torch.minimum(num_forced, to_end - 1), num_forced)
+    return ahead.masked_fill(done, torch.iinfo(ahead.dtype).max).min()
+
+
+def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
+                 ahead):
+    """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
+    row's next tokens are forced (answers, tools' outputs; ahead: forced_ahead), the token and k of those
+    go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
+    written here, their mask and log-probs stay 0; the last column stays a step's."""
+    k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)
+    if k < 1:
+        return (*step(token, noise[rows, t + 1]), forced, num_forced, t + 1)
+    run = torch.cat([token[:, None], forced[:, :k].masked_fill(done[:, None], 0)], dim=1)  # [B, k + 1]
+    tokens[rows, t + 1:t + k + 1] = run[:, 1:]
+    sampled = decode_step(model, cache, temperature, top_k, run, noise[rows, t + k + 1])  # eager: a shape of its own
+    return (*sampled, forced.roll(-k, dims=1), (num_forced - k).clamp(min=0), t + k + 1)
+
+
 # -----------------------------------------------------------------------------
 # Chat format: the tokenizer
 
@@ -913,7 +913,6 @@ SPECIAL_TOKENS = [
     "<|python_start|>", "<|python_end|>",  # the assistant calls the calculator
     "<|output_start|>", "<|output_end|>",  # the calculator's answer, forced into the reply
 ]
-
 
 
 class Tokenizer:
