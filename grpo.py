@@ -1906,6 +1906,8 @@ def flags_with(role):
 
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
 SAPO_ONLY = (lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another")
+GATE_AT_ONE = (lambda a: a.policy_loss == "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer "
+               "step a sampled batch the ratio is 1: there SAPO's gate is the policy gradient at any temperature")
 NO_CLIP = (lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)")
 RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step a "
              "sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
@@ -1940,8 +1942,8 @@ arg("--num-minibatches", type=at_least(1), help="optimizer steps per pass over t
 arg("--ratio-level", choices=["token", "sequence"], help="one ratio per token (PPO, GRPO) or per reply (GSPO)")
 arg("--policy-loss", choices=["clip", "cispo", "sapo"], help="PPO's clipped ratio x A; CISPO's -sg(clip(rho)) A log pi "
     "(the weight clipped, every token keeps a gradient); SAPO's smooth gate -(4 / tau) sigmoid(tau (rho - 1)) A")
-arg("--sapo-tau-pos", type=float, help="SAPO's gate temperature where A > 0 (--policy-loss sapo)", idle=[SAPO_ONLY])
-arg("--sapo-tau-neg", type=float, help="SAPO's gate temperature where A < 0 (larger: faster decay)", idle=[SAPO_ONLY])
+arg("--sapo-tau-pos", type=float, idle=[SAPO_ONLY, GATE_AT_ONE], help="SAPO's gate temperature where A > 0")
+arg("--sapo-tau-neg", type=float, idle=[SAPO_ONLY, GATE_AT_ONE], help="the same where A < 0 (larger: faster decay)")
 arg("--clip-eps", type=float, idle=[NO_CLIP, RATIO_ONE], help="lower ratio clip: rho >= 1 - eps (cispo: the weight's)")
 arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo: the weight's; default: --clip-eps)",
     idle=[NO_CLIP, RATIO_ONE])

@@ -1574,8 +1574,10 @@ def test_sapos_gate_has_the_gradient_of_its_formula_and_is_the_policy_gradient_a
     assert not clipped.any()
 
 
-def test_sapo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_and_advantages():
-    (sapo,), _ = gradients(*sampled_batch(args := args_for("--algo", "sapo", "--ppo-epochs", "1")), args)
+@pytest.mark.parametrize("temperatures", [[], ["--sapo-tau-pos", "3", "--sapo-tau-neg", "0.2"]])
+def test_sapo_with_one_epoch_on_policy_is_reinforce_with_the_same_aggregation_and_advantages(temperatures):
+    # at any temperature: at ratio 1 the gate's slope is the policy gradient's (the idle note on --sapo-tau-*)
+    (sapo,), _ = gradients(*sampled_batch(args := args_for("--algo", "sapo", "--ppo-epochs", "1", *temperatures)), args)
     reinforce_args = args_for("--algo", "reinforce", "--aggregation", "sequence", "--advantage", "zscore")
     (reinforce,), _ = gradients(*sampled_batch(reinforce_args), reinforce_args)
     assert args.aggregation == "sequence"  # the paper's per-reply mean

@@ -510,11 +510,12 @@ def test_a_flag_that_does_nothing_under_the_settings_gets_a_note(tmp_path, capsy
                                                                       "--max-sampling-rounds"),
     (["--calculator"], "--calculator"), (["--algo", "sapo", "--clip-eps", "0.1"], "--clip-eps"),
     (["--reward-combination", "normalize-then-sum", "--advantage", "rloo"], "--advantage"),
+    (["--algo", "sapo", "--ppo-epochs", "1", "--sapo-tau-neg", "3"], "--sapo-tau-neg"),  # its gate at ratio 1
     # and none where the flag acts
     (["--optimizer", "adamw", "--lr", "1e-4"], None), (["--matrix-lr", "0.01"], None),
     (["--lora-rank", "4", "--init", "ckpt", "--lora-lr", "1e-3"], None), (["--algo", "dapo", "--max-sampling-rounds", "2"], None),
     (["--rollout-correction", "tis", "--rollout-correction-cap", "3"], None),
-    (["--algo", "reinforce", "--advantage", "rloo"], None),
+    (["--algo", "reinforce", "--advantage", "rloo"], None), (["--algo", "sapo", "--sapo-tau-neg", "3"], None),
 ])
 def test_every_flag_that_does_nothing_under_the_settings_is_named(flags, idle):
     notes = grpo.resolve_config(["--demo", *flags]).notes
