@@ -133,28 +133,28 @@ def rotary(x, cos, sin):
 
 class KVCache:
     """Keys and values of every layer for a batch of left-padded rows: one tensor per layer (not one tensor for all: a
-    compiled step that writes into a view of a larger tensor copies all of it), [B, n_kv_head, max_len, hd].
+    compiled step that writes into a view of a larger tensor copies all of it), [B, n_kv_head, max_len + 1, hd].
 
-    Row b holds pad[b] padding columns, then its prompt, then what it generated. All rows advance together,
-    so one write position `pos` serves the whole batch. `previous` holds each row's last normalised token
-    embedding [B, C], which the smear of the next token reads (generations with smear only).
+    Row b holds pad[b] padding columns, then its prompt, then what it generated, and writes from its column pos[b]
+    (rows part where a forward takes more tokens of some than of others: generate's forced runs); `length` bounds
+    the columns written. What a forward computes past a row's own tokens goes to the last column, spare. `previous`:
+    each row's last normalised token embedding [B, C], which the smear of the next token reads (smear only).
 
-    Static (after make_static): a step's keys are all max_len columns, those not written yet masked out (flash
+    Static (after make_static): a step's keys are all the columns, those not written yet masked out (flash
     attention on a GPU reads each row's written columns only, cached_attention, which wants a row's keys in one
-    contiguous run: the tensors turn to [B, max_len, n_kv_head, hd]); `pos` is a tensor on the device and every
+    contiguous run: the tensors turn to [B, max_len + 1, n_kv_head, hd]); `pos` is a tensor on the device and every
     write is in place. A decode step then has the same shapes, the same memory and the same kernel arguments every
     time, so it can be captured once as a CUDA graph and replayed."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
-        self.k = self.v = None  # allocated on first write, in the dtype the model computes in
-        self.previous = None
-        self.pos = 0
-        self.static = self.flash = False
+        self.k = self.v = self.previous = None  # allocated on first write, in the dtype the model computes in
+        self.pos, self.length = torch.zeros_like(pad), 0
+        self.static, self.flash, self.columns = False, False, None  # columns: a forward's, [B, T] (attention_masks)
 
     def make_static(self, n_head):
         """Static shapes from here on (n_head: the queries' heads, for the flash kernel's check)."""
-        self.pos, self.static = torch.tensor(self.pos, device=self.pad.device), True
+        self.static = True
         for layer in range(self.n_layer if self.k is not None else 0):  # columns before heads: one copy a call,
             for cache in (self.k, self.v):  # a layer at a time (the plan counts one cache, not two)
                 cache[layer] = cache[layer].transpose(1, 2).contiguous()
@@ -162,34 +162,31 @@ class KVCache:
 
     def update(self, layer, k, v):
         """Store k, v ([B, H, T, hd]) after the current position; return all keys and values so far as [B, H, S, hd]
-        (static: all max_len columns, a view of the [B, max_len, H, hd] tensors)."""
+        (static: all the columns, a view of the [B, max_len + 1, H, hd] tensors)."""
         if self.k is None:
-            B, H, _, hd = k.shape
-            shape = (B, self.max_len, H, hd) if self.static else (B, H, self.max_len, hd)
-            self.k = [k.new_zeros(shape) for _ in range(self.n_layer)]
-            self.v = [v.new_zeros(shape) for _ in range(self.n_layer)]
-        if self.static:  # T tokens a row (a decode step's one), written from the column pos points to
-            columns = self.pos.view(1) if k.size(2) == 1 else self.pos + torch.arange(k.size(2), device=k.device)
-            self.k[layer].index_copy_(1, columns, k.transpose(1, 2))
-            self.v[layer].index_copy_(1, columns, v.transpose(1, 2))
+            (B, H, _, hd), S = k.shape, self.max_len + 1
+            shape = (B, S, H, hd) if self.static else (B, H, S, hd)
+            self.k, self.v = ([new.new_zeros(shape) for _ in range(self.n_layer)] for new in (k, v))
+        rows = torch.arange(k.size(0), device=k.device)[:, None]
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):  # each row from its own column: [B, T, H, hd]
+            (cache if self.static else cache.transpose(1, 2))[rows, self.columns] = new.transpose(1, 2)
+        if self.static:
             return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
-        end = self.pos + k.size(2)
-        self.k[layer][:, :, self.pos:end] = k
-        self.v[layer][:, :, self.pos:end] = v
+        end = min(self.length + k.size(2), self.max_len)  # the columns any row has written, at most
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def select(self, rows):
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows). A static
         cache shrinks in place: the rows move to the front of its memory, which it keeps (no second cache at once)."""
         self.pad = self.pad[rows]
+        self.pos = self.pos[rows]
         if self.static:
             for cache in self.k + self.v:
                 cache[:len(rows)] = cache[rows]
             self.k, self.v = [keys[:len(rows)] for keys in self.k], [values[:len(rows)] for values in self.v]
         else:
             self.k, self.v = [keys[rows] for keys in self.k], [values[rows] for values in self.v]
-        if self.previous is not None:
-            self.previous = self.previous[rows]
+        self.previous = self.previous[rows] if self.previous is not None else None
 
 
 class CausalSelfAttention(nn.Module):
@@ -409,41 +406,47 @@ class GPT(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * gain / math.sqrt(fan_in))
         return self
 
-    def attention_masks(self, T, cache, device):
+    def attention_masks(self, T, cache, device, counts=None):
         """-> positions [B or 1, T] and one boolean mask per layer ([B or 1, 1, T, S], True = may attend), or
-        None for a layer where plain causal attention is exact (SDPA's fast path)."""
+        None for a layer where plain causal attention is exact (SDPA's fast path). counts [B]: the tokens of each
+        row in the T columns (generate's forced runs), None: all T. Sets cache.columns, where rows write."""
         if cache is None:  # a plain causal forward from position 0
             query = key = torch.arange(T, device=device)
-            positions = query[None]
-            allowed = key[None, :] <= query[:, None]  # [T, S]
-        else:  # continue left-padded rows from the cache's position
-            query = cache.pos + torch.arange(T, device=device)  # [T] column of each new token
-            key = torch.arange(cache.max_len if cache.static else cache.pos + T, device=device)  # [S]
-            positions = (query[None] - cache.pad[:, None]).clamp(min=0)  # [B, T]: padding does not move positions
+            positions, column, last = query[None], query[:, None], T - 1  # column: [T, 1] against the keys [S]
+            allowed = key[None, :] <= column  # [T, S]
+        else:  # continue left-padded rows from the cache's position(s)
+            steps = torch.arange(T, device=device)  # a row's columns past its counts (or its budget): the spare one
+            query = torch.where(steps < (T if counts is None else counts[:, None]), cache.pos[:, None] + steps,
+                                cache.max_len).clamp(max=cache.max_len)  # [B, T] the column of each new token
+            cache.columns = query
+            S = cache.max_len + 1 if cache.static else min(cache.length + T, cache.max_len)
+            key, column = torch.arange(S, device=device), query[..., None]  # [S], [B or 1, T, 1]
+            # padding does not move positions; nor does the spare column (what is computed there is never read)
+            positions = (query.clamp(max=cache.max_len - 1) - cache.pad[:, None]).clamp(min=0)  # [B, T]
             real = key[None, None, :] >= cache.pad[:, None, None]  # [B, 1, S]
             # A padding query may see itself, so no softmax row is empty (an all -inf row would give NaN).
-            allowed = (key[None, :] <= query[:, None])[None] & (real | (key[None, :] == query[:, None])[None])
-        # the last query's column, a Python int (no sync); static: the last column any step can reach
-        last = T - 1 if cache is None else cache.max_len - 1 if cache.static else cache.pos + T - 1
+            allowed = (key <= column) & (real | (key == column))  # [B, T, S]
+            last = min(S, cache.max_len) - 1  # the last column a query reads, a Python int (no sync)
         if last >= self.rotary_cos.size(0):
             raise ValueError(f"{last + 1} positions do not fit this model's rotary tables ({self.rotary_cos.size(0)}"
                              " positions, 10 x sequence_len): use shorter prompts or replies")
         masks = {}
         for window in set(self.windows):
             if window is not None and window < last:  # query q sees keys q - window .. q: window + 1 of them
-                masks[window] = (allowed & (key[None, :] >= query[:, None] - window)).unsqueeze(-3)  # a dim for heads
+                masks[window] = (allowed & (key >= column - window)).unsqueeze(-3)  # a dim for heads
             else:  # no query reaches past its window here
                 masks[window] = None if cache is None else allowed.unsqueeze(-3)
         return positions, [masks[window] for window in self.windows]
 
-    def hidden(self, idx, cache=None, pack=None):
+    def hidden(self, idx, cache=None, pack=None, counts=None):
         """idx: [B, T] token ids -> final normalised hidden states [B, T, C]. pack: idx is [1, T], rows packed one
         after another (and padding at the tail), described by pack_rows; each row is computed as if it were alone:
-        its rotary positions from 0, its attention (and window) within itself, no smear from the row before."""
+        its rotary positions from 0, its attention (and window) within itself, no smear from the row before.
+        counts [B] (with a cache): row b's tokens are its first counts[b], the rest of its T computed and not kept."""
         B, T = idx.shape
         gen = self.generation
         if pack is None:
-            positions, masks = self.attention_masks(T, cache, idx.device)
+            positions, masks = self.attention_masks(T, cache, idx.device, counts)
         else:  # the masks are those of one row of the padded block packed_attention's fallback gathers
             positions, masks = pack["offsets"][None], self.attention_masks(pack["max_len"], None, idx.device)[1]
         # [B or 1, T, 1, head_dim / 2]
@@ -458,10 +461,11 @@ class GPT(nn.Module):
             # real token of a left-padded row gets nothing. The cache carries each row's last x to the next call.
             before = cache.previous if cache is not None and cache.previous is not None else torch.zeros_like(x[:, 0])
             previous = torch.cat([before[:, None], x[:, :-1]], dim=1)  # [B, T, C]
+            last = x[:, -1] if counts is None else x[torch.arange(B, device=x.device), counts - 1]
             if cache is not None and cache.static:
-                cache.previous.copy_(x[:, -1])  # in place: a captured step reads and writes the same memory
+                cache.previous.copy_(last)  # in place: a captured step reads and writes the same memory
             elif cache is not None:
-                cache.previous = x[:, -1]
+                cache.previous = last
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))  # [B, T, 1]
             x = x + gate * previous * (positions >= 1)[..., None]
         x0 = x
@@ -476,7 +480,8 @@ class GPT(nn.Module):
         if kept is not None:  # backout: take part of the mid-stack residual back out before the head
             x = x - self.backout_lambda * kept
         if cache is not None:
-            cache.pos += T  # in place when static
+            cache.pos += T if counts is None else counts  # in place (a static batch's finished rows: the spare column)
+            cache.pos, cache.length = cache.pos.clamp_(max=cache.max_len), min(cache.length + T, cache.max_len)
         return norm(x)
 
     def logits(self, x, softcap=True):
@@ -503,9 +508,7 @@ class GPT(nn.Module):
         The full [B, T, V] logits are never materialised: the head runs over chunks of positions (chunk_size,
         default HEAD_CHUNK // V: 2,048 at V = 65,536), and each chunk is recomputed in the backward pass rather than
         kept alive (with V = 65,536 a single [16, 512, V] float32 tensor is 2 GiB, and softcap + log_softmax would
-        keep several). Logits too small to matter
-        (under CHECKPOINT_LOGITS elements, e.g. a tiny vocabulary) are kept instead: recomputing them costs time,
-        and both ways give the same numbers."""
+        keep several). Logits under CHECKPOINT_LOGITS elements (a tiny vocabulary) are kept: the same numbers."""
         x = self.hidden_at(idx, positions, pack)  # [K, C] (or [B*T, C])
         per_position = [targets.flatten()] + ([] if top_ids is None else [top_ids.flatten(0, 1)])
         if positions is not None:
@@ -693,17 +696,16 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     <|python_start|> .. <|python_end|> block to a string forced into the reply, or to None (nothing forced).
     `decode`: "dynamic": attention over the columns written so far, finished rows leave the batch (the CPU's default).
     "static": the same shapes every step (KVCache.make_static), finished rows staying, masked, until half the batch
-    has finished: then it halves (the running rows, finished ones to fill it). "graph": static, each batch size's
-    step a captured CUDA graph, replayed (CUDA's default: small kernels are bound by launches). With model.use_compile
-    a static step runs compiled. The same tokens either way, up to rounding (each row's noise is its own).
+    has finished: then it halves. "graph": static, each batch size's step a captured CUDA graph (CUDA's default:
+    small kernels are bound by launches); compiled with model.use_compile. The same tokens either way, up to rounding.
     `ends` (the self-check's): [N] the step at which each row is made to end, its stop token forced (mask 0), or -1.
     `respond` (episodes of several turns): respond(row, tokens, mask), the row's output index and its tokens and
     mask so far (lists), called when a row samples <|assistant_end|>, returns the next user message, forced into the
     row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as render_conversation has
-    it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens;
-    those every running row has queued (turns ended and answered, tools' outputs) go through the model in chunks.
+    it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens
+    and go through the model in runs (next_columns): rows then go on from columns of their own.
     `max_turn_tokens` (with respond): a turn that has sampled this many gets its <|assistant_end|> forced (mask 0),
-    and the environment is asked as after a sampled one: turns, not the budget, end a babbling row.
+    the environment asked as after a sampled one: turns, not the budget, end a babbling row.
 
     Returns a dict of tensors with one row per sample, prompt-major (row p * num_samples + g):
       tokens [N, max_new_tokens]: the reply, padded with 0 after it ends;
@@ -711,9 +713,8 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         tool or the environment (respond, max_turn_tokens) forced it and on padding;
       logprobs [N, max_new_tokens]: each sampled token's log-prob under the distribution it was drawn from
         (temperature, top-k renormalised, softcap), 0 for forced tokens and padding;
-      lengths [N]: reply length including the stop token and forced tokens;
-      truncated [N]: the reply (an episode: the whole of it) hit max_new_tokens before a stop token.
-    They come back on the CPU, where callers decode and grade them: one copy, not a device sync per row."""
+      lengths [N]: reply length including the stop token and forced tokens; truncated [N]: the reply (an episode:
+      the whole of it) hit max_new_tokens before a stop token. On the CPU, where callers decode and grade them."""
     if decode not in ("auto", "dynamic", "static", "graph"):
         raise ValueError(f"decode={decode!r}: expected auto, dynamic, static or graph")
     device = model.lm_head.weight.device
@@ -723,27 +724,26 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     # prompt's samples do not depend on which other prompts share the batch, or on which rank runs it.
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + p for p in range(P)]
     noise = torch.cat([torch.rand(G, max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    noise = noise.to(device)
+    noise = F.pad(noise, (0, 1)).to(device)  # a spare column, as the outputs' (next_columns)
     cache, logits = prefill(model, prompts, G, max_new_tokens, static=decode != "dynamic")  # [N, V]: each row's own
     step = decoder(model, cache, temperature, top_k, graph=decode == "graph")  # (token, noise) -> sampled
     sampled, sampled_logprob = sample_tokens(logits, temperature, top_k, noise[:, 0], model.generation.softcap)
 
-    tokens, mask = (torch.zeros(N, max_new_tokens, dtype=torch.long, device=device) for _ in range(2))
-    logprobs = torch.zeros(N, max_new_tokens, device=device)
+    tokens, mask = (torch.zeros(N, max_new_tokens + 1, dtype=torch.long, device=device) for _ in range(2))
+    logprobs = torch.zeros(N, max_new_tokens + 1, device=device)
     lengths = torch.full((N,), max_new_tokens, device=device)
     truncated, done = torch.ones(N, dtype=torch.bool, device=device), torch.zeros(N, dtype=torch.bool, device=device)
     rows = torch.arange(N, device=device)  # which output row each row of the running batch is
-    forced = torch.zeros(N, 0, dtype=torch.long, device=device)  # queued calculator tokens per running row
-    num_forced = torch.zeros(N, dtype=torch.long, device=device)
+    col = torch.zeros(N, dtype=torch.long, device=device)  # the column each row writes (rows part at forced runs)
+    forced, num_forced = (torch.zeros(N, *width, dtype=torch.long, device=device) for width in ((0,), ()))
     turn_tokens = torch.zeros(N, dtype=torch.long, device=device)  # tokens sampled in each row's current turn
     cap = max_turn_tokens if respond is not None and max_turn_tokens else max_new_tokens + 1
     stop_ids = torch.tensor([tokenizer.assistant_end, tokenizer.bos], device=device)
     ends = torch.full((N,), -1, device=device) if ends is None else torch.as_tensor(ends, device=device).long()
 
     # The per-step bookkeeping is tensor ops (no boolean indexing, which would sync with the device).
-    t = 0
     while True:
-        ending = ends[rows] == t
+        ending = ends[rows] == col
         forced_end = ending
         if respond is not None:  # episodes only: a one-turn batch's step does no more work than before
             capped = (turn_tokens >= cap) & (num_forced == 0)  # the turn's end forced at --max-turn-tokens
@@ -752,40 +752,42 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         token = torch.where(num_forced > 0, forced[:, 0] if forced.size(1) else sampled, sampled)
         token = torch.where(forced_end, tokenizer.assistant_end, token).masked_fill(done, 0)
         forced, num_forced = forced.roll(-1, dims=1), (num_forced - 1).clamp(min=0)
-        tokens[rows, t] = token
-        mask[rows, t] = (~is_forced & ~done).long()
-        logprobs[rows, t] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
+        tokens[rows, col] = token
+        mask[rows, col] = (~is_forced & ~done).long()
+        logprobs[rows, col] = torch.where(is_forced | done, 0.0, sampled_logprob.float())
         stopped = ~done & (ending | ~is_forced & torch.isin(token, stop_ids))
         if respond is not None:  # a turn's end: the row runs on until the environment has said whether it answers
             turn_ends = ~done & ~ending & (~is_forced | capped) & (token == tokenizer.assistant_end)
             stopped &= ~turn_ends
             turn_tokens = torch.where(turn_ends, 0, turn_tokens + (~is_forced).long())
-        lengths[rows] = torch.where(stopped, t + 1, lengths[rows])
+        lengths[rows] = torch.where(stopped, col + 1, lengths[rows])
         truncated[rows] &= ~stopped
-        done |= stopped
+        done |= stopped | (col == max_new_tokens - 1)  # a row on its budget's last column ends there (cut)
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
-        ahead = forced_ahead(num_forced, done, ends[rows] - t)  # one host sync a step for the batch, not one a row:
-        num_running, any_call, ahead, *any_turn_end = torch.stack([(~done).sum(), calls.any(), ahead] + (
-            [turn_ends.any()] if respond is not None else [])).tolist()
+        ahead, width = forced_runs(num_forced, done, ends[rows] - col, max_new_tokens - 2 - col)
+        num_running, any_call, width, *any_turn_end = torch.stack([(~done).sum(), calls.any(), width] + (
+            [(turn_ends & ~done).any()] if respond is not None else [])).tolist()  # one host sync a step, not a row's
         if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
-            forced, num_forced, num_running = answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced,
-                                                           num_forced, (lengths, truncated, done), num_running)
-        if num_running == 0 or t == max_new_tokens - 1:
+            forced, num_forced, num_running = answer_turns(respond, tokenizer, tokens, mask, rows, col, turn_ends,
+                                                           forced, num_forced, (lengths, truncated, done), num_running)
+        if num_running == 0:
             break
         if any_call:  # the tool runs only for the rows that just closed a python block
-            forced, num_forced = call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced)
-        ahead = int(forced_ahead(num_forced, done, ends[rows] - t)) if any_call or any(any_turn_end) else ahead
+            forced, num_forced = call_tool(tool, tokenizer, tokens, rows, col, calls, forced, num_forced)
+        if any_call or any(any_turn_end):  # the queues changed
+            ahead, width = forced_runs(num_forced, done, ends[rows] - col, max_new_tokens - 2 - col, sync=True)
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
-            rows, token, done, forced, num_forced, turn_tokens = (x[keep] for x in (rows, token, done, forced,
-                                                                                    num_forced, turn_tokens))
+            rows, token, done, forced, num_forced, turn_tokens, col, ahead = (
+                x[keep] for x in (rows, token, done, forced, num_forced, turn_tokens, col, ahead))
             if decode != "dynamic":
                 step = decoder(model, cache, temperature, top_k, graph=decode == "graph")
-        sampled, sampled_logprob, forced, num_forced, t = next_columns(
-            model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done, ahead)
-    return {k: v.cpu() for k, v in dict(tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths,
-                                        truncated=truncated).items()}
+        sampled, sampled_logprob, forced, num_forced, col = next_columns(
+            model, step, cache, temperature, top_k, token, noise, col, tokens, rows, forced, num_forced, done, ahead,
+            width)
+    return {k: v[:, :max_new_tokens].cpu() if v.dim() == 2 else v.cpu() for k, v in dict(  # the spare column cut
+        tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths, truncated=truncated).items()}
 
 
 def prefill(model, prompts, num_samples, max_new_tokens, static):
@@ -798,21 +800,20 @@ def prefill(model, prompts, num_samples, max_new_tokens, static):
     idx = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
     cache = KVCache(model.config.n_layer, pad, longest + max_new_tokens)
     logits = model.logits(model.hidden(idx, cache)[:, -1], softcap=False)  # [P, V]: the head at the last column only
-    # Then every sample gets its own copy of its prompt's cache, and draws its own first token.
     shared = torch.arange(len(prompts), device=device).repeat_interleave(num_samples)
-    cache.select(shared)
+    cache.select(shared)  # every sample its own copy of its prompt's cache, and its own first token
     if static:
         cache.make_static(model.config.n_head)
     return cache, logits[shared]
 
 
-def call_tool(tool, tokenizer, tokens, rows, t, calls, forced, num_forced):
-    """The rows that just closed a python block at step t (calls [B]; tokens [N, max_new_tokens], rows [B]: generate's):
-    the tool's answer to each block, queued to be forced into the reply, as much of it as the row's columns left hold
-    -> (forced [B, longest queue], num_forced [B])."""
-    replies, room = tokens[rows, :t], tokens.size(1) - t - 1  # the running rows' tokens so far
+def call_tool(tool, tokenizer, tokens, rows, col, calls, forced, num_forced):
+    """The rows that just closed a python block at their column col (calls [B]; tokens [N, max_new_tokens + 1], rows
+    [B]: generate's): the tool's answer to each block, queued to be forced into the reply, as much of it as the row's
+    columns left hold -> (forced [B, longest queue], num_forced [B])."""
     for i in calls.nonzero().flatten().tolist():
-        reply = replies[i].tolist()
+        t = int(col[i])
+        reply, room = tokens[rows[i], :t].tolist(), tokens.size(1) - t - 2  # the row's tokens so far
         starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
         result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
         if result is not None:
@@ -833,24 +834,22 @@ def forced_run(tokenizer, start, text, end, room):
     return ([start] + tokenizer.encode(text) + end)[:room]
 
 
-def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, num_forced, ends, num_running):
-    """The rows that just ended a turn (turn_ends [B]): the environment's answer to each queued to be forced, as
-    call_tool's are; a row whose episode ends here ends (ends: generate's lengths, truncated, done, written in place)
-    -> (forced, num_forced, the rows still running). A turn that ends on the budget's last column has no room for an
-    answer: the environment is not asked, and the episode is cut there, as by any budget."""
-    if t + 1 == tokens.size(1):
-        return forced, num_forced, num_running
+def answer_turns(respond, tokenizer, tokens, mask, rows, col, turn_ends, forced, num_forced, ends, num_running):
+    """The running rows that just ended a turn at their column col (turn_ends [B]; a row on its budget's last column
+    is done: no room for an answer): the environment's answer to each queued to be forced, as call_tool's are; a
+    row whose episode ends here ends (ends: generate's lengths, truncated, done, written in place) -> (forced,
+    num_forced, the rows still running)."""
     ended = []
-    running = turn_ends.nonzero().flatten().tolist()
-    outputs = rows[running].tolist()
-    replies, masks = tokens[outputs, :t + 1].tolist(), mask[outputs, :t + 1].tolist()  # one copy each
-    for i, row, reply, reply_mask in zip(running, outputs, replies, masks):
-        message = respond(row, reply, reply_mask)
+    running = (turn_ends & ~ends[2]).nonzero().flatten().tolist()
+    outputs, cols = rows[running].tolist(), col[running].tolist()
+    replies, masks = (x[outputs, :max(cols) + 1].tolist() for x in (tokens, mask))  # one copy each
+    for i, row, t, reply, reply_mask in zip(running, outputs, cols, replies, masks):
+        message = respond(row, reply[:t + 1], reply_mask[:t + 1])
         if message is None:
             ended.append(i)
             continue
         queue = forced_run(tokenizer, tokenizer.user_start, message, [tokenizer.user_end, tokenizer.assistant_start],
-                           tokens.size(1) - t - 1)
+                           tokens.size(1) - t - 2)
         if len(queue) > forced.size(1):
             forced = F.pad(forced, (0, len(queue) - forced.size(1)))
         forced[i, :len(queue)] = torch.tensor(queue, device=forced.device)
@@ -858,7 +857,7 @@ def answer_turns(respond, tokenizer, tokens, mask, rows, t, turn_ends, forced, n
     if ended:
         lengths, truncated, done = ends
         ended = torch.tensor(ended, device=done.device)
-        lengths[rows[ended]], truncated[rows[ended]], done[ended] = t + 1, False, True
+        lengths[rows[ended]], truncated[rows[ended]], done[ended] = col[ended] + 1, False, True
     return forced, num_forced, num_running - len(ended)
 
 
@@ -879,28 +878,39 @@ def rows_to_keep(done, num_running, decode):
 # A forced run's forward holds FORCED_RUN_CHUNK + 1 tokens a row of one layer's activations (on the CPU also their
 # attention scores): at 32, about 1% of the KV cache the memory plan counts a row at d20 (its full length's)
 FORCED_RUN_CHUNK = 32
+RAGGED_RUN = 8  # a run not every row fills: an eager forward (not a captured step) for the others, worth it if wide
 
 
-def forced_ahead(num_forced, done, to_end):
-    """-> (0-dim) the columns every running row has forced next: its queue, and none at or past its `ends` step
-    (to_end: that step - this one). generate counts it again after the environment or the tool queued tokens."""
-    ahead = torch.where(to_end > 0, torch.minimum(num_forced, to_end - 1), num_forced)
-    return ahead.masked_fill(done, torch.iinfo(ahead.dtype).max).min()
+def forced_runs(num_forced, done, to_end, room, sync=False):
+    """-> (ahead [B], width): the forced tokens each row can take after this step's token in the same forward (its
+    queue, not past its `ends` step nor its last column: to_end, room; none if finished), and the next forward's
+    columns (an int if sync): 1 + the most a row takes, at most FORCED_RUN_CHUNK, where every running row fills it
+    or, RAGGED_RUN or more, the rows' own tokens are at least half of what it computes for them; else 1."""
+    ahead = torch.minimum(num_forced, room).clamp(min=0)
+    ahead = torch.where(to_end > 0, torch.minimum(ahead, to_end - 1), ahead).masked_fill(done, 0)
+    widths, running = torch.arange(1, FORCED_RUN_CHUNK + 2, device=ahead.device), (~done).sum()  # [W], 0-dim
+    own = (torch.minimum(ahead[:, None] + 1, widths) * ~done[:, None]).sum(0)  # [W]
+    ragged = (2 * own >= widths * running) & (widths >= RAGGED_RUN) & (widths <= ahead.max() + 1)
+    width = widths.masked_fill(~((own == widths * running) | ragged), 1).max()
+    return ahead, int(width) if sync else width
 
 
-def next_columns(model, step, cache, temperature, top_k, token, noise, t, tokens, rows, forced, num_forced, done,
-                 ahead):
-    """generate's step after column t -> (sampled, log-probs, forced, num_forced, the next column). Where every running
-    row's next tokens are forced (answers, tools' outputs; ahead: forced_ahead), the token and k of those
-    go through the model in one forward (chunks of FORCED_RUN_CHUNK), not a decode step each: their tokens are
-    written here, their mask and log-probs stay 0; the last column stays a step's."""
-    k = min(ahead, tokens.size(1) - 2 - t, FORCED_RUN_CHUNK)
-    if k < 1:
-        return (*step(token, noise[rows, t + 1]), forced, num_forced, t + 1)
-    run = torch.cat([token[:, None], forced[:, :k].masked_fill(done[:, None], 0)], dim=1)  # [B, k + 1]
-    tokens[rows, t + 1:t + k + 1] = run[:, 1:]
-    sampled = decode_step(model, cache, temperature, top_k, run, noise[rows, t + k + 1])  # eager: a shape of its own
-    return (*sampled, forced.roll(-k, dims=1), (num_forced - k).clamp(min=0), t + k + 1)
+def next_columns(model, step, cache, temperature, top_k, token, noise, col, tokens, rows, forced, num_forced, done,
+                 ahead, width):
+    """generate's step after each row's column col -> (sampled, log-probs, forced, num_forced, the next columns):
+    a forward of `width` columns takes each row's token and up to width - 1 of its queued forced tokens (ahead:
+    forced_runs), written here (mask, log-probs 0), not a step each. A finished row's columns are the spare one."""
+    spare = tokens.size(1) - 1
+    if width < 2:
+        sampled = step(token, noise[rows, (col + 1).clamp(max=spare)])
+        return (*sampled, forced, num_forced, torch.where(done, spare, col + 1))
+    taken, steps = ahead.clamp(max=width - 1), torch.arange(1, width, device=col.device)  # [B], [width - 1]
+    run = torch.cat([token[:, None], forced[:, :width - 1]], dim=1)  # [B, width]
+    tokens[rows[:, None], torch.where(steps <= taken[:, None], col[:, None] + steps, spare)] = run[:, 1:]
+    sampled = decode_step(model, cache, temperature, top_k, run, noise[rows, (col + taken + 1).clamp(max=spare)],
+                          taken + 1)  # eager: a shape of its own
+    shifted = (torch.arange(forced.size(1), device=col.device) + taken[:, None]).clamp(max=forced.size(1) - 1)
+    return (*sampled, forced.gather(1, shifted), num_forced - taken, torch.where(done, spare, col + taken + 1))
 
 
 # -----------------------------------------------------------------------------
@@ -1099,11 +1109,12 @@ def pack_micro_batch(mb, widths, budget, static):
     return dict(packed, pack=pack, row_positions=row_positions)
 
 
-def decode_step(model, cache, temperature, top_k, token, noise):
-    """token [N] (or a run of them [N, T]) -> (sampled [N], log-probs [N]): through the model with the cache, the
-    next token sampled."""
-    logits = model.logits(model.hidden(token.view(token.size(0), -1), cache)[:, -1], softcap=False)  # [N, V]
-    return sample_tokens(logits, temperature, top_k, noise, model.generation.softcap)
+def decode_step(model, cache, temperature, top_k, token, noise, counts=None):
+    """token [N] (or a run of them [N, T], row n's first counts[n]) -> (sampled [N], log-probs [N]): through the
+    model with the cache, the next token sampled after each row's last."""
+    x = model.hidden(token.view(token.size(0), -1), cache, counts=counts)
+    x = x[:, -1] if counts is None else x[torch.arange(x.size(0), device=x.device), counts - 1]
+    return sample_tokens(model.logits(x, softcap=False), temperature, top_k, noise, model.generation.softcap)
 
 
 @functools.cache
@@ -1189,10 +1200,9 @@ def distinct_lengths(prompts):
 
 def staggered_ends(rows, length):
     """The step at which each of the self-check's rows is made to end (generate's ends; -1: it runs on). At each of
-    a few evenly spaced steps half of the rows still running end (rows 0, 2, 4, .. first, then 1, 5, 9, .., as a
-    ruler's marks: the rows that move up in the batch are other prompts', whose padding differs), the last row
-    never: each halving of the static decode and the dynamic decode's row drops happen, with rows left to sample
-    after each, in every smaller batch."""
+    a few evenly spaced steps half of the rows still running end (rows 0, 2, 4, .. first, then 1, 5, 9, ..: the rows
+    that move up are other prompts', whose padding differs), the last row never: each halving of the static decode
+    and each row drop of the dynamic one happen, with rows left to sample after each."""
     halvings = max(1, (rows - 1).bit_length())  # down to one row
     spacing = max(1, length // (halvings + 1))
     ends = []
@@ -1216,9 +1226,8 @@ def self_check_replies(model, tokenizer, prompts, G, length, temperature, seed, 
 @contextmanager
 def noisy_projections(model, seed):
     """A model whose output projections are zero (a fresh one: nanochat's init) computes the same log-probs whatever
-    the context, which hides attention faults and mixed-up rows: within the block they and the head (tiny too:
-    nanochat's 0.001 std) hold noise, as the other matrices start (1 / sqrt(fan-in)); restored after. -> how many
-    projections were zero."""
+    the context, which hides attention faults and mixed-up rows: within the block they and the head (0.001 std)
+    hold noise, as the other matrices start (1 / sqrt(fan-in)); restored after. -> how many were zero."""
     zero = [p for name, p in model.named_parameters() if name.endswith("c_proj.weight") and not p.any()]
     head = model.lm_head.weight.detach().clone() if zero else None
     noise = torch.Generator().manual_seed(seed)
@@ -1272,11 +1281,10 @@ def self_check_distances(results, keys):
 # matrices inside the blocks: Nesterov momentum, then an orthogonalised update (U V^T of the momentum G = U S V^T,
 # approximated by a few matrix polynomials), scaled by sqrt(max(1, rows / cols)). AdamW for embeddings, head,
 # gains and gates. What changed from version to version, one row each:
-#   orthogonalise: "quintic" = one polynomial 5 times (X / (|X|_F + 1e-7)); "polar" = Polar Express, 5 polynomials
-#                  (X / (|X|_F * divisor + 1e-6))
+#   orthogonalise: "quintic" = one polynomial 5 times (X / (|X|_F + 1e-7)); "polar" = Polar Express, 5 (X /
+#                  (|X|_F * divisor + 1e-6))
 #   normuon:       beta2 of NorMuon's factored second moment (per row or column of the update), None: off
-#   muon_decay:    --weight-decay goes to Muon as cautious decay (only where update and weight agree in sign);
-#                  else it goes to AdamW
+#   muon_decay:    --weight-decay to Muon as cautious decay (where update and weight agree in sign), else to AdamW
 #   equilibrate:   rows rescaled to the mean row norm before orthogonalising (MuonEq)
 #   renormalise:   the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)) (Muon+)
 #   adamw:         "torch" = torch's AdamW; "nanochat" = nanochat's own AdamW step (the same math, its rounding)

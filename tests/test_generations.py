@@ -181,7 +181,8 @@ def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation,
     longest = max(map(len, prompts))
     probes = [i for i, call in enumerate(calls) if call[2].tolist() == [0, 1]]  # flash_decode_takes: once a call
     calls = [call for i, call in enumerate(calls) if i not in probes]
-    steps = [(rows - 1, used[1:]) for rows, width, used in calls[::model.config.n_layer] if width == longest + 30]
+    # a row's span: its columns and the cache's spare one (KVCache)
+    steps = [(rows - 1, used[1:]) for rows, width, used in calls[::model.config.n_layer] if width == longest + 31]
     assert len(probes) == 2 and len(calls) == model.config.n_layer * len(steps) and {rows for rows, _ in steps} > {12}
     # the first step of a call: every row's whole prompt and its first reply token; each step one more
     first = [len(p) + 1 for p in prompts for _ in range(4)]
@@ -741,7 +742,7 @@ def test_a_compiled_decode_step_on_a_gpu_is_one_graph_through_torchs_own_kernel(
     cache.k, cache.v = ([torch.empty(rows, columns, c.n_kv_head, c.n_embd // c.n_head, dtype=torch.bfloat16,
                                      device="meta") for _ in range(c.n_layer)] for _ in range(2))
     cache.previous = torch.empty(rows, c.n_embd, dtype=torch.bfloat16, device="meta")
-    cache.pos, cache.static, cache.flash = torch.tensor(200, device="meta"), True, True  # past the short window
+    cache.pos, cache.static, cache.flash = torch.full((rows,), 200, device="meta"), True, True  # past the short window
     token, noise = torch.zeros(rows, dtype=torch.long, device="meta"), torch.rand(rows, device="meta")
     try:
         with torch.no_grad():  # as generate runs it
