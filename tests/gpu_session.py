@@ -180,7 +180,8 @@ def print_plan(budget, smoke, parts=WHAT):
           f"{', '.join(part for part, *_, fits in rows if not fits) or 'none'}")
     print(f"each part is stopped at {SMOKE_MARGIN if smoke else MARGIN:g}x its expected seconds, or where the budget "
           f"ends if sooner; the watchdog ends the session at {budget + WATCHDOG_AFTER:.0f} s (the budget + "
-          f"{WATCHDOG_AFTER:.0f} s): give the device call a timeout_s of {budget + WATCHDOG_AFTER + 40:.0f} s or more")
+          f"{WATCHDOG_AFTER:.0f} s): give the device call a timeout_s of "
+          f"{min(budget + WATCHDOG_AFTER + 40, DEVICE_LIMIT):.0f} s or more")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -508,14 +509,21 @@ if __name__ == "__main__":
     if EARLY.done:
         sys.exit(0)
 
-import grpo  # noqa: E402, F401  (before torch: it bounds how long OpenMP's waiting threads spin, as in a run)
-import torch  # noqa: E402
+try:  # a signal in the imports (seconds) is an interrupt as any other: said, the processes ended, its exit status
+    import grpo  # noqa: E402, F401  (before torch: it bounds how long OpenMP's waiting threads spin, as in a run)
+    import torch  # noqa: E402
 
-import bench_gpu  # noqa: E402
-import bench_vs_nanochat  # noqa: E402
-import model as model_module  # noqa: E402
-from bench_shared import stopping_at, timed  # noqa: E402
-from kernels import flash_on_the_cpu  # noqa: E402
+    import bench_gpu  # noqa: E402
+    import bench_vs_nanochat  # noqa: E402
+    import model as model_module  # noqa: E402
+    from bench_shared import stopping_at, timed  # noqa: E402
+    from kernels import flash_on_the_cpu  # noqa: E402
+except (KeyboardInterrupt, Interrupted) as e:
+    if __name__ != "__main__":
+        raise
+    interrupted(EARLY, None, e)
+    end(EARLY)
+    sys.exit(128 + (signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.Signals[str(e)]))
 
 
 def header(s):

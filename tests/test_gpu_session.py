@@ -19,6 +19,7 @@ import torch
 
 import bench_vs_nanochat
 import gpu_session
+import session_watchdog
 from conftest import ROOT
 
 SHARED = os.path.join(ROOT, "..", "shared")
@@ -538,7 +539,10 @@ def test_the_plan_shows_the_parts_chosen_alone(capsys):
     out = capsys.readouterr().out
     assert re.findall(r"\n  (\w+) +\d+ s \(stopped past +\d+ s\)", out) == ["6a", "6b", "6d"]
     assert "planned: 6a, 6b, 6d, ending at 105 s; if time is left: none" in out
-    assert "the watchdog ends the session at 140 s" in out
+    assert "the watchdog ends the session at 140 s" in out and "a timeout_s of 180 s or more" in out
+    gpu_session.main(["--plan", "--budget-s", "560"])  # the largest budget: a timeout the device tool takes
+    assert "the watchdog ends the session at 580 s" in (out := capsys.readouterr().out)
+    assert "a timeout_s of 600 s or more" in out
 
 
 def test_part_4s_rows_say_what_their_seconds_are(tmp_path, monkeypatch):
@@ -671,6 +675,23 @@ def test_ctrl_c_is_said_in_the_results_without_a_traceback(tmp_path):
     assert code == 128 + signal.SIGINT and "Traceback" not in err, err[-2000:]
     assert not alive(pid)
     assert "\nthe session was interrupted (SIGINT, Ctrl-C) at " in md and "part 1, 3a were running" in md
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_torchs_import_is_said_as_an_interrupt(tmp_path, number):
+    # the session started (its watchdog running), torch still importing: the interrupt's line and exit status, no
+    # traceback, no "died" line from the watchdog (was: a traceback, exit status 1 for SIGTERM)
+    session = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_session.py"), "--smoke", "--out",
+                                str(tmp_path), "--parts", "3a", "--shared", str(tmp_path / "no")],
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not session_watchdog.descendants(session.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    session.send_signal(number)
+    err = session.communicate(timeout=60)[1]
+    md = (tmp_path / "results.md").read_text()
+    assert session.returncode == 128 + number and "Traceback" not in err, err[-2000:]
+    assert "the session was interrupted (SIG" in md and "no part had started" in md and "died" not in md, md
 
 
 def test_a_stop_landing_while_a_row_is_written_leaves_both_files_whole(tmp_path, monkeypatch):
