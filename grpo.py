@@ -1661,7 +1661,7 @@ def memory_plan(model, args, world_size, longest_prompt, dtype, optimizer_state=
         optimizer_state = max(planned_optimizer_state(model, args, owners, world_size))
     c, compute_bytes = model.config, 2 if dtype == "bfloat16" else 4
     length, rows = longest_prompt + args.max_new_tokens, sample_batch_rows(args, world_size)  # rows: a generate call's
-    kv_per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * length * compute_bytes  # keys and values
+    kv_per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * (length + 1) * compute_bytes  # (+ a spare)
     micro_rows = min(args.device_batch_size or 1, args.prompts_per_step // world_size * args.num_samples)
     if args.pack and not args.device_batch_size:
         tokens, passed = args.tokens_per_pass, f"{args.tokens_per_pass} tokens"

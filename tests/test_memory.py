@@ -76,7 +76,8 @@ def test_the_plans_reference_and_kv_cache_bytes():
     rows = grpo.sample_batch_rows(args_for("--algo", "grpo", "--sample-batch-size", str(2 * G + 1)), 1)
     assert rows == 2 * G  # whole groups
     chunk = grpo.memory_plan(shape, args_for("--algo", "grpo", "--sample-batch-size", str(2 * G)), 1, 9, "bfloat16")
-    per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * (9 + args.max_new_tokens) * 2
+    # keys and values of a row's prompt and reply columns, and of the cache's spare one (model.KVCache)
+    per_row = 2 * c.n_layer * c.n_kv_head * (c.n_embd // c.n_head) * (9 + args.max_new_tokens + 1) * 2
     assert chunk[f"sampling: KV cache and logits of {rows} replies"] == rows * (per_row + c.vocab_size * 4) + 2 * per_row
 
 
