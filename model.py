@@ -142,9 +142,8 @@ class KVCache:
 
     Static (after make_static): a step's keys are all the columns, those not written yet masked out (flash
     attention on a GPU reads each row's written columns only, cached_attention, which wants a row's keys in one
-    contiguous run: the tensors turn to [B, max_len + 1, n_kv_head, hd]); `pos` is a tensor on the device and every
-    write is in place. A decode step then has the same shapes, the same memory and the same kernel arguments every
-    time, so it can be captured once as a CUDA graph and replayed."""
+    contiguous run: the tensors turn to [B, max_len + 1, n_kv_head, hd]), every write in place: a decode step has
+    the same shapes, memory and kernel arguments every time, so it can be captured once as a CUDA graph."""
 
     def __init__(self, n_layer, pad, max_len):
         self.n_layer, self.pad, self.max_len = n_layer, pad, max_len
@@ -178,8 +177,7 @@ class KVCache:
     def select(self, rows):
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows). A static
         cache shrinks in place: the rows move to the front of its memory, which it keeps (no second cache at once)."""
-        self.pad = self.pad[rows]
-        self.pos = self.pos[rows]
+        self.pad, self.pos = self.pad[rows], self.pos[rows]
         if self.static:
             for cache in self.k + self.v:
                 cache[:len(rows)] = cache[rows]
@@ -421,8 +419,8 @@ class GPT(nn.Module):
             cache.columns = query
             S = cache.max_len + 1 if cache.static else min(cache.length + T, cache.max_len)
             key, column = torch.arange(S, device=device), query[..., None]  # [S], [B or 1, T, 1]
-            # padding does not move positions; nor does the spare column (what is computed there is never read)
-            positions = (query.clamp(max=cache.max_len - 1) - cache.pad[:, None]).clamp(min=0)  # [B, T]
+            # padding does not move positions; the spare column takes 0 (what is computed there is never read)
+            positions = torch.where(query < cache.max_len, query - cache.pad[:, None], 0).clamp(min=0)  # [B, T]
             real = key[None, None, :] >= cache.pad[:, None, None]  # [B, 1, S]
             # A padding query may see itself, so no softmax row is empty (an all -inf row would give NaN).
             allowed = (key <= column) & (real | (key == column))  # [B, T, S]
@@ -700,10 +698,10 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
     small kernels are bound by launches); compiled with model.use_compile. The same tokens either way, up to rounding.
     `ends` (the self-check's): [N] the step at which each row is made to end, its stop token forced (mask 0), or -1.
     `respond` (episodes of several turns): respond(row, tokens, mask), the row's output index and its tokens and
-    mask so far (lists), called when a row samples <|assistant_end|>, returns the next user message, forced into the
-    row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as render_conversation has
-    it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take columns of max_new_tokens
-    and go through the model in runs (next_columns): rows then go on from columns of their own.
+    mask so far (lists), called when a row samples <|assistant_end|> (rows in no set order), returns the next user
+    message, forced into the row as <|user_start|> message <|user_end|> <|assistant_start|> (mask 0, log-prob 0, as
+    render_conversation has it), or None: the row ends. A sampled <|bos|> ends a row, unasked. Forced tokens take
+    columns of max_new_tokens and go through the model in runs (next_columns), rows then at columns of their own.
     `max_turn_tokens` (with respond): a turn that has sampled this many gets its <|assistant_end|> forced (mask 0),
     the environment asked as after a sampled one: turns, not the budget, end a babbling row.
 
@@ -764,7 +762,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         truncated[rows] &= ~stopped
         done |= stopped | (col == max_new_tokens - 1)  # a row on its budget's last column ends there (cut)
         calls = ~done & ~is_forced & (token == tokenizer.python_end) & (tool is not None)
-        ahead, width = forced_runs(num_forced, done, ends[rows] - col, max_new_tokens - 2 - col)
+        ahead, width = forced_runs(forced, num_forced, done, ends[rows], col, max_new_tokens)
         num_running, any_call, width, *any_turn_end = torch.stack([(~done).sum(), calls.any(), width] + (
             [(turn_ends & ~done).any()] if respond is not None else [])).tolist()  # one host sync a step, not a row's
         if any(any_turn_end):  # the environment answers, or the episode ends here (one copy of those rows' tokens)
@@ -775,7 +773,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         if any_call:  # the tool runs only for the rows that just closed a python block
             forced, num_forced = call_tool(tool, tokenizer, tokens, rows, col, calls, forced, num_forced)
         if any_call or any(any_turn_end):  # the queues changed
-            ahead, width = forced_runs(num_forced, done, ends[rows] - col, max_new_tokens - 2 - col, sync=True)
+            ahead, width = forced_runs(forced, num_forced, done, ends[rows], col, max_new_tokens, sync=True)
         keep = rows_to_keep(done, num_running, decode)
         if keep is not None:
             cache.select(keep)
@@ -786,7 +784,7 @@ def generate(model, tokenizer, prompts, num_samples=1, max_new_tokens=256, tempe
         sampled, sampled_logprob, forced, num_forced, col = next_columns(
             model, step, cache, temperature, top_k, token, noise, col, tokens, rows, forced, num_forced, done, ahead,
             width)
-    return {k: v[:, :max_new_tokens].cpu() if v.dim() == 2 else v.cpu() for k, v in dict(  # the spare column cut
+    return {k: v[:, :max_new_tokens].cpu().contiguous() if v.dim() == 2 else v.cpu() for k, v in dict(  # spare cut
         tokens=tokens, mask=mask, logprobs=logprobs, lengths=lengths, truncated=truncated).items()}
 
 
@@ -811,8 +809,8 @@ def call_tool(tool, tokenizer, tokens, rows, col, calls, forced, num_forced):
     """The rows that just closed a python block at their column col (calls [B]; tokens [N, max_new_tokens + 1], rows
     [B]: generate's): the tool's answer to each block, queued to be forced into the reply, as much of it as the row's
     columns left hold -> (forced [B, longest queue], num_forced [B])."""
-    for i in calls.nonzero().flatten().tolist():
-        t = int(col[i])
+    calling = calls.nonzero().flatten()
+    for i, t in zip(*torch.stack([calling, col[calling]]).tolist()):
         reply, room = tokens[rows[i], :t].tolist(), tokens.size(1) - t - 2  # the row's tokens so far
         starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
         result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
@@ -840,8 +838,8 @@ def answer_turns(respond, tokenizer, tokens, mask, rows, col, turn_ends, forced,
     row whose episode ends here ends (ends: generate's lengths, truncated, done, written in place) -> (forced,
     num_forced, the rows still running)."""
     ended = []
-    running = (turn_ends & ~ends[2]).nonzero().flatten().tolist()
-    outputs, cols = rows[running].tolist(), col[running].tolist()
+    running = (turn_ends & ~ends[2]).nonzero().flatten()
+    running, outputs, cols = torch.stack([running, rows[running], col[running]]).tolist()
     replies, masks = (x[outputs, :max(cols) + 1].tolist() for x in (tokens, mask))  # one copy each
     for i, row, t, reply, reply_mask in zip(running, outputs, cols, replies, masks):
         message = respond(row, reply[:t + 1], reply_mask[:t + 1])
@@ -881,12 +879,14 @@ FORCED_RUN_CHUNK = 32
 RAGGED_RUN = 8  # a run not every row fills: an eager forward (not a captured step) for the others, worth it if wide
 
 
-def forced_runs(num_forced, done, to_end, room, sync=False):
+def forced_runs(forced, num_forced, done, ends, col, budget, sync=False):
     """-> (ahead [B], width): the forced tokens each row can take after this step's token in the same forward (its
-    queue, not past its `ends` step nor its last column: to_end, room; none if finished), and the next forward's
-    columns (an int if sync): 1 + the most a row takes, at most FORCED_RUN_CHUNK, where every running row fills it
-    or, RAGGED_RUN or more, the rows' own tokens are at least half of what it computes for them; else 1."""
-    ahead = torch.minimum(num_forced, room).clamp(min=0)
+    queue, not at or past its `ends` step nor on its budget's last column; none if finished), the next forward's columns
+    (an int if sync): 1 + the most a row takes, up to FORCED_RUN_CHUNK + 1, where every running row fills them or,
+    RAGGED_RUN or more, the rows' own tokens are at least half of what it computes for them; else 1."""
+    if not forced.size(1):  # nothing was ever queued (a single turn without a tool): no work a step
+        return torch.zeros_like(num_forced), 1 if sync else torch.ones_like(num_forced[:1]).squeeze(0)
+    ahead, to_end = torch.minimum(num_forced, budget - 2 - col).clamp(min=0), ends - col
     ahead = torch.where(to_end > 0, torch.minimum(ahead, to_end - 1), ahead).masked_fill(done, 0)
     widths, running = torch.arange(1, FORCED_RUN_CHUNK + 2, device=ahead.device), (~done).sum()  # [W], 0-dim
     own = (torch.minimum(ahead[:, None] + 1, widths) * ~done[:, None]).sum(0)  # [W]

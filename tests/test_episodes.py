@@ -168,6 +168,19 @@ def test_rows_that_force_at_different_columns_take_their_runs_while_the_others_s
     assert 0 < (exact["logprobs"] - runs["logprobs"])[same].abs().max() <= 3 * rounding
 
 
+def test_a_run_beside_a_sampling_row_computes_no_position_past_the_rotary_tables():
+    # a budget past the model's rotary tables (dynamic decode: refused only where a reply reaches them): row 0's
+    # answer goes in a run beside row 1's step, whose columns past its token are the cache's spare one (was: the
+    # spare column's rotary position, past the tables, an IndexError)
+    from bench_shared import placed_at
+    model, marks = random_model("classic", n_layer=1, sequence_len=16), torch.zeros(2, 200, dtype=torch.long)
+    marks[0, 2] = marks[0, 50] = marks[1, 60] = 3
+    respond = lambda row, tokens, mask: "x" * 30 if row == 0 and tokens.count(TOK.assistant_end) < 2 else None  # noqa
+    with placed_at(marks, (TOK.python_start, TOK.python_end, TOK.assistant_end), TOK.vocab_size):
+        out = generate(model, TOK, [[1, 2, 3, 4, 5]], 2, 200, seed=0, respond=respond, decode="dynamic")
+    assert out["lengths"].tolist() == [51, 61] and out["tokens"].is_contiguous()
+
+
 def test_a_stop_made_at_a_column_inside_a_forced_run_or_at_a_capped_turns_end_ends_the_row_there():
     # generate's `ends` (the self-check's stops) on a column that a forced run covers: the run stops short of it;
     # on the column where --max-turn-tokens forces a turn's end: the row ends, the environment is not asked

@@ -684,8 +684,11 @@ def test_a_signal_during_torchs_import_is_said_as_an_interrupt(tmp_path, number)
     session = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_session.py"), "--smoke", "--out",
                                 str(tmp_path), "--parts", "3a", "--shared", str(tmp_path / "no")],
                                stderr=subprocess.PIPE, text=True)
+    def started():  # the watchdog running and SIGTERM's handler in place, the last of the start before the imports
+        caught = re.search(r"SigCgt:\s*([0-9a-f]+)", open(f"/proc/{session.pid}/status").read())[1]
+        return session_watchdog.descendants(session.pid) and int(caught, 16) >> (signal.SIGTERM - 1) & 1
     deadline = time.monotonic() + 30
-    while not session_watchdog.descendants(session.pid) and time.monotonic() < deadline:
+    while not started() and time.monotonic() < deadline:
         time.sleep(0.01)
     session.send_signal(number)
     err = session.communicate(timeout=60)[1]
