@@ -8,6 +8,7 @@ Sampler throughput: generated tokens per second, three ways, same random model(s
     python tests/bench_sampler.py --real-lengths --max-new-tokens 256 --decode static   # replies end at GSM8K's lengths
     python tests/bench_sampler.py --attempts 3 --max-new-tokens 32   # episodes of 3 turns of 32 sampled tokens
     python tests/bench_sampler.py --calculator --max-new-tokens 64   # a tool's answer forced into every reply
+    python tests/bench_sampler.py --attempts 3 --stagger 5 --max-new-tokens 32   # rows' turns end apart
 
 1. batched: all prompts x samples in one generate() call (the way grpo.py samples);
 2. one prompt per call: generate() once per prompt, its samples batched;
@@ -51,6 +52,8 @@ parser.add_argument("--gsm8k-dir", default=os.path.join(os.path.dirname(__file__
 parser.add_argument("--bytes-per-token", type=float, default=3.0, help="tests/bench_shared.py")
 parser.add_argument("--attempts", type=int, default=0, help="episodes of this many turns against single-turn replies")
 parser.add_argument("--calculator", action="store_true", help="replies with a tool's answer forced, against plain ones")
+parser.add_argument("--stagger", type=int, default=0, help="with --attempts: row r's turns sample 1 + (r x this) %% "
+                    "--max-new-tokens tokens each, so rows force their answers at different columns")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -108,10 +111,20 @@ def episodes(model):
         return FEEDBACK if tokens.count(tokenizer.assistant_end) < args.attempts else None
     forced = len(tokenizer.encode(FEEDBACK)) + 3  # <|user_start|> .. <|user_end|><|assistant_start|>
     total = args.attempts * (args.max_new_tokens + 1) + (args.attempts - 1) * forced
-    out = generate(model, tokenizer, prompts, args.samples, total, temperature=1.0, top_k=50, decode=args.decode,
-                   respond=respond, max_turn_tokens=args.max_new_tokens)
-    assert int(out["lengths"].sum()) == len(out["lengths"]) * total  # every turn ran to its cap, every answer forced
-    return int(out["mask"].sum())  # sampled tokens, as the single-turn way counts
+    if not args.stagger:
+        out = generate(model, tokenizer, prompts, args.samples, total, temperature=1.0, top_k=50, decode=args.decode,
+                       respond=respond, max_turn_tokens=args.max_new_tokens)
+        assert int(out["lengths"].sum()) == len(out["lengths"]) * total  # every turn to its cap, every answer forced
+        return int(out["mask"].sum())  # sampled tokens, as the single-turn way counts
+    marks = torch.zeros(args.prompts * args.samples, total, dtype=torch.long)
+    for r in range(len(marks)):  # each turn's end where the row's own turn length puts it
+        turn = 1 + r * args.stagger % args.max_new_tokens
+        for k in range(args.attempts):
+            marks[r, k * (turn + forced) + turn - 1] = 1
+    with placed_at(marks, (tokenizer.assistant_end,), 256):  # sampled ids folded into bytes: no other stop
+        out = generate(model, tokenizer, prompts, args.samples, total, temperature=1.0, top_k=50, decode=args.decode,
+                       respond=respond)
+    return int(out["mask"].sum())
 
 
 def with_tool(model):
