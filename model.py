@@ -135,10 +135,10 @@ class KVCache:
     """Keys and values of every layer for a batch of left-padded rows: one tensor per layer (not one tensor for all: a
     compiled step that writes into a view of a larger tensor copies all of it), [B, n_kv_head, max_len + 1, hd].
 
-    Row b holds pad[b] padding columns, then its prompt, then what it generated, and writes from its column pos[b]
-    (rows part where a forward takes more tokens of some than of others: generate's forced runs); `length` bounds
-    the columns written. What a forward computes past a row's own tokens goes to the last column, spare. `previous`:
-    each row's last normalised token embedding [B, C], which the smear of the next token reads (smear only).
+    Row b holds pad[b] padding columns, then its prompt, then what it generated, and writes from pos[b] (rows part
+    where a forward takes more tokens of some: forced runs); the last column is spare (what a forward computes past
+    a row's tokens); `length`: the columns rows have written (at most: a finished row stays put). `previous`: each
+    row's last normalised token embedding [B, C], which the smear of the next token reads (smear only).
 
     Static (after make_static): a step's keys are all the columns, those not written yet masked out (flash
     attention on a GPU reads each row's written columns only, cached_attention, which wants a row's keys in one
@@ -169,10 +169,8 @@ class KVCache:
         rows = torch.arange(k.size(0), device=k.device)[:, None]
         for cache, new in ((self.k[layer], k), (self.v[layer], v)):  # each row from its own column: [B, T, H, hd]
             (cache if self.static else cache.transpose(1, 2))[rows, self.columns] = new.transpose(1, 2)
-        if self.static:
-            return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
-        end = min(self.length + k.size(2), self.max_len)  # the columns any row has written, at most
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        end = min(self.length + k.size(2), self.max_len)  # dynamic: the columns running rows have written
+        return tuple(c.transpose(1, 2) if self.static else c[:, :, :end] for c in (self.k[layer], self.v[layer]))
 
     def select(self, rows):
         """Keep only these rows (repeat a row to share its prompt's cache among samples, drop finished rows). A static
@@ -478,8 +476,9 @@ class GPT(nn.Module):
         if kept is not None:  # backout: take part of the mid-stack residual back out before the head
             x = x - self.backout_lambda * kept
         if cache is not None:
-            cache.pos += T if counts is None else counts  # in place (a static batch's finished rows: the spare column)
-            cache.pos, cache.length = cache.pos.clamp_(max=cache.max_len), min(cache.length + T, cache.max_len)
+            cache.pos.add_(T if counts is None else counts).clamp_(max=cache.max_len)  # in place (a run: one sync)
+            cache.length = min(cache.length + T, cache.max_len) if counts is None or cache.static else int(
+                cache.pos.max())
         return norm(x)
 
     def logits(self, x, softcap=True):
@@ -810,8 +809,8 @@ def call_tool(tool, tokenizer, tokens, rows, col, calls, forced, num_forced):
     [B]: generate's): the tool's answer to each block, queued to be forced into the reply, as much of it as the row's
     columns left hold -> (forced [B, longest queue], num_forced [B])."""
     calling = calls.nonzero().flatten()
-    for i, t in zip(*torch.stack([calling, col[calling]]).tolist()):
-        reply, room = tokens[rows[i], :t].tolist(), tokens.size(1) - t - 2  # the row's tokens so far
+    for i, row, t in zip(*torch.stack([calling, rows[calling], col[calling]]).tolist()):
+        reply, room = tokens[row, :t].tolist(), tokens.size(1) - t - 2  # the row's tokens so far
         starts = [j for j, tok in enumerate(reply) if tok == tokenizer.python_start]
         result = tool(tokenizer.decode(reply[starts[-1] + 1:])) if starts else None
         if result is not None:
@@ -901,6 +900,7 @@ def next_columns(model, step, cache, temperature, top_k, token, noise, col, toke
     a forward of `width` columns takes each row's token and up to width - 1 of its queued forced tokens (ahead:
     forced_runs), written here (mask, log-probs 0), not a step each. A finished row's columns are the spare one."""
     spare = tokens.size(1) - 1
+    cache.pos.sub_(done.long())  # a finished row stays: it writes over its last column, reads none it did not write
     if width < 2:
         sampled = step(token, noise[rows, (col + 1).clamp(max=spare)])
         return (*sampled, forced, num_forced, torch.where(done, spare, col + 1))

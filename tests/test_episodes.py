@@ -179,6 +179,14 @@ def test_a_run_beside_a_sampling_row_computes_no_position_past_the_rotary_tables
     with placed_at(marks, (TOK.python_start, TOK.python_end, TOK.assistant_end), TOK.vocab_size):
         out = generate(model, TOK, [[1, 2, 3, 4, 5]], 2, 200, seed=0, respond=respond, decode="dynamic")
     assert out["lengths"].tolist() == [51, 61] and out["tokens"].is_contiguous()
+    # both rows answered 4 times, 4 columns apart: each takes its runs beside the other's steps, the columns the
+    # cache reads those written (was: a bound raised by each run's width refused it at 184 of 160 positions)
+    marks.zero_()
+    marks[0, [2, 30, 58, 86, 114]] = marks[1, [6, 34, 62, 90, 118]] = 3
+    respond = lambda row, tokens, mask: "x" * 20 if tokens.count(TOK.assistant_end) < 5 else None  # noqa: E731
+    with placed_at(marks, (TOK.python_start, TOK.python_end, TOK.assistant_end), TOK.vocab_size):
+        out = generate(model, TOK, [[1, 2, 3, 4, 5]], 2, 200, seed=0, respond=respond, decode="dynamic")
+    assert out["lengths"].tolist() == [115, 119]
 
 
 def test_a_stop_made_at_a_column_inside_a_forced_run_or_at_a_capped_turns_end_ends_the_row_there():

@@ -184,13 +184,15 @@ def test_a_decode_step_on_a_gpu_reads_each_rows_written_columns_only(generation,
     # a row's span: its columns and the cache's spare one (KVCache)
     steps = [(rows - 1, used[1:]) for rows, width, used in calls[::model.config.n_layer] if width == longest + 31]
     assert len(probes) == 2 and len(calls) == model.config.n_layer * len(steps) and {rows for rows, _ in steps} > {12}
-    # the first step of a call: every row's whole prompt and its first reply token; each step one more
+    # the first step of a call (the batch whole again): every row's whole prompt and its first reply token, but a
+    # row that ended on it; each step one more
     first = [len(p) + 1 for p in prompts for _ in range(4)]
-    starts = [i for i, (_, used) in enumerate(steps) if used.tolist() == first]
-    assert len(starts) == 2 and starts[0] == 0  # sampled, then greedy
-    for i, (_, used) in enumerate(steps):
+    starts = [i for i, (rows, _) in enumerate(steps) if i == 0 or rows > steps[i - 1][0]]
+    assert len(starts) == 2 and all(u in (f, f - 1) for i in starts for u, f in zip(steps[i][1].tolist(), first))
+    for i, (_, used) in enumerate(steps):  # a running row through this step's column; a finished one stays put
         t = i - max(start for start in starts if start <= i)
-        assert set((used - t).tolist()) <= {len(p) + 1 for p in prompts}, (t, used)
+        assert all(any(len(p) <= u <= len(p) + 1 + t for p in prompts) for u in used.tolist()), (t, used)
+        assert set((used - t).tolist()) & {len(p) + 1 for p in prompts}, (t, used)
     # the numbers: the same tokens forced through both paths in bf16, a row dropped half-way, each against float64
     continuation = torch.tensor(random_tokens(12, 12, 12, seed=2))
     exact = forced_decode_logits(copy.deepcopy(model).double(), prompts, continuation, nullcontext())
