@@ -76,7 +76,17 @@ def test_every_decode_mode_forces_the_same_user_turns_and_samples_the_same_token
     assert (capped > 0) == ("max_turn_tokens" in options)
 
 
+FLOAT64 = {}  # a test's sampling by a float64 copy of its model, the same for every decode mode: once a worker
+
+
+def float64_sampling(test, sample):
+    if test not in FLOAT64:
+        FLOAT64[test] = sample()
+    return FLOAT64[test]
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
+@pytest.mark.xdist_group("float64_sampling")
 def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_forward(decode, monkeypatch):
     # Every row closes a python block at column 4 (the tool's answer forced) and ends turns at columns 12-14 and 72-73,
     # each answered by the environment in 52-53 tokens (the second answer cut at the budget's end), a third of the
@@ -118,7 +128,7 @@ def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_f
     for key in ("tokens", "mask", "lengths", "truncated"):
         assert torch.equal(runs[key], steps[key]), key
     assert (runs["lengths"] < 96).sum() == 8 and (runs["tokens"] == TOK.output_end).sum(1).min() == 1
-    exact = sampled(copy.deepcopy(model).double(), "dynamic", False)[0]
+    exact = float64_sampling("one forward", lambda: sampled(copy.deepcopy(model).double(), "dynamic", False)[0])
     same = (exact["tokens"] == steps["tokens"]).all(1) & (exact["lengths"] == steps["lengths"])
     assert same.sum() >= 6
     rounding = (exact["logprobs"] - steps["logprobs"])[same].abs().max()
@@ -126,6 +136,7 @@ def test_a_forced_run_that_every_running_row_has_goes_through_the_model_in_one_f
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static", "graph"])
+@pytest.mark.xdist_group("float64_sampling")
 def test_rows_that_force_at_different_columns_take_their_runs_while_the_others_sample(decode, monkeypatch):
     # Two pairs of rows end their first turns 25 columns apart, each answered in 40 tokens; one row closes a python
     # block alone (6 tokens forced: too few to pay for a forward of its own width). A pair's answer goes through the
@@ -161,7 +172,7 @@ def test_rows_that_force_at_different_columns_take_their_runs_while_the_others_s
     # last column 38 forwards sooner, the pairs' savings in the same forwards as the other pair's steps
     assert set(step_widths) == {1} and len(run_widths) <= len(step_widths) - 38 + 1, (run_widths, len(step_widths))
     assert sorted(run_widths)[-4:] == [9, 9, 33, 33]
-    exact = sampled(copy.deepcopy(model).double(), "dynamic", False)[0]
+    exact = float64_sampling("columns", lambda: sampled(copy.deepcopy(model).double(), "dynamic", False)[0])
     same = (exact["tokens"] == steps["tokens"]).all(1) & (exact["lengths"] == steps["lengths"])
     assert same.sum() >= 3
     rounding = (exact["logprobs"] - steps["logprobs"])[same].abs().max()
@@ -618,7 +629,7 @@ def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_epi
     samples = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "samples.jsonl")]
     assert all(s["episode"][-1]["role"] == "assistant" and s["reply"] == s["episode"][-1]["content"] for s in samples)
     assert "| turns " in capsys.readouterr().out
-    table = grpo.compare_runs([str(tmp_path / "runs" / "guess")], str(tmp_path / "c.png"))  # --compare: turns too
+    table = grpo.compare_runs([str(tmp_path / "runs" / "guess")], None)  # --compare: turns too (plotted: below)
     assert table[1][table[0].index("turns")] == steps[-1]["episode_turns"]
 
 
@@ -768,7 +779,7 @@ def test_compare_plots_turns_and_correct_at_each_attempt(tmp_path, monkeypatch):
              "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "40", "--eval-max-new-tokens", "40",
              "--runs-dir", str(tmp_path)]
     grpo.main(flags + ["--attempts", "2", "--max-turn-tokens", "8", "--run-name", "retries"])
-    grpo.main(flags + ["--run-name", "single"])
+    grpo.main(flags + ["--run-name", "single", "--max-new-tokens", "8", "--eval-max-new-tokens", "8"])
     grpo.main(["--compare", str(tmp_path / "retries"), str(tmp_path / "single")])
     panels = {ax.get_title(): ax for ax in figures[-1].axes if ax.get_visible()}
     assert len(panels) == 6

@@ -137,11 +137,14 @@ WRITES = [("state_000002.pt", 1, signal.SIGTERM), ("model_000002.pt", 1, signal.
           ("curves.png", 1, signal.SIGHUP)]
 
 
+STRAIGHT = ["--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4"]
+
+
 @pytest.fixture(scope="module")
 def straight_folder(tmp_path_factory):
     """A run of 3 steps with evals at steps 0, 2 and 3, never stopped."""
     root = tmp_path_factory.mktemp("straight")
-    grpo.main(flags(root, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="straight"))
+    grpo.main(flags(root, *STRAIGHT, name="straight"))
     return root / "runs" / "straight"
 
 
@@ -156,7 +159,7 @@ def test_a_signal_during_a_write_stops_after_it_with_the_one_line_message(tmp_pa
                                                                          file_name, nth, sig):
     if file_name == "curves.png":
         pytest.importorskip("matplotlib")
-    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", name="signalled")
+    argv = flags(tmp_path, *STRAIGHT, name="signalled")
     argv += ["--plot"] if file_name == "curves.png" else []  # the plot written where its write is the one signalled
     with monkeypatch.context() as patched:
         signal_in_write(patched, file_name, nth, sig)
@@ -196,8 +199,7 @@ def signals_in_update(monkeypatch, at_update, count=1, sig=signal.SIGINT):
 @pytest.mark.xdist_group("straight_run")
 def test_ctrl_c_saves_the_step_under_way_and_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, straight_run,
                                                                                   save_every):
-    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--save-every", save_every,
-                 name="stopped")
+    argv = flags(tmp_path, *STRAIGHT, "--save-every", save_every, name="stopped")
     with monkeypatch.context() as patched:
         signals_in_update(patched, at_update=2)
         with pytest.raises(SystemExit) as stop:
@@ -260,8 +262,7 @@ def test_a_stop_skips_a_due_eval_saves_the_step_and_resume_runs_that_eval(tmp_pa
     # a stop signal in the update of a step whose end is an eval (step 2), or the final eval (step 3): the step is
     # saved first and the eval skipped, with one line; --resume runs the skipped eval, then goes on as the run that
     # never stopped
-    argv = flags(tmp_path, "--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--save-every", "0",
-                 name="skipped")
+    argv = flags(tmp_path, *STRAIGHT, "--save-every", "0", name="skipped")
     with monkeypatch.context() as patched:
         signals_in_update(patched, at_update=at_update, sig=signal.SIGTERM)
         with pytest.raises(SystemExit) as stop:
@@ -443,8 +444,8 @@ def test_a_gpu_named_by_its_index_is_the_one_a_single_process_takes(monkeypatch,
 
 
 def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(tmp_path, monkeypatch, capsys):
-    argv = flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="early")
-    grpo.main(flags(tmp_path, "--num-steps", "3", "--save-every", "0", "--eval-every", "2", name="straight"))
+    argv = flags(tmp_path, *STRAIGHT, "--save-every", "0", name="early")
+    grpo.main(flags(tmp_path, *STRAIGHT, "--save-every", "0", name="straight"))
     update, calls = grpo.policy_update, []
 
     def update_then_die(*a, **k):

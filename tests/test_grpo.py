@@ -198,8 +198,8 @@ def test_the_update_waits_for_the_device_a_fixed_few_times_per_optimizer_step_ne
     # CPU: the same count with 4 times as many micro-batches
     from bench_update import CountOps
     counts = []
-    for size in (["--no-pack", "--device-batch-size", "2"], ["--no-pack", "--device-batch-size", "8"],
-                 ["--tokens-per-pass", "20"], ["--tokens-per-pass", "80"]):
+    for size in (["--no-pack", "--device-batch-size", "4"], ["--no-pack", "--device-batch-size", "16"],
+                 ["--tokens-per-pass", "30"], ["--tokens-per-pass", "120"]):
         args = args_for(*flags, *size)
         model, batch = sampled_batch(args)
         counter = CountOps()
@@ -1108,7 +1108,8 @@ def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
     grpo.main(["--task", "gsm8k", "--gsm8k-dir", gsm8k_dir, "--init", "scratch", "--depth", "1", "--n-embd", "32",
                "--n-head", "1", "--device", "cpu", "--runs-dir", str(tmp_path), "--run-name", "g", "--num-steps", "1",
                "--prompts-per-step", "2", "--num-samples", "2", "--max-new-tokens", "8", "--eval-every", "1",
-               "--eval-examples", "3", "--final-eval-examples", "3", "--pass-k", "2", "--algo", "grpo", "--no-plot"])
+               "--eval-examples", "3", "--final-eval-examples", "3", "--eval-max-new-tokens", "16", "--pass-k", "2",
+               "--algo", "grpo", "--no-plot"])
     metrics = [json.loads(line) for line in open(tmp_path / "g" / "metrics.jsonl")]
     final = metrics[-1]
     assert final["step"] == 1 and final["eval_examples"] == 3
@@ -1117,13 +1118,14 @@ def test_one_gsm8k_step_end_to_end(tmp_path, gsm8k_dir):
 
 
 def test_eval_only_and_compare(tmp_path, capsys, monkeypatch):
-    grpo.main(run_flags(tmp_path, "a", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8"))
-    grpo.main(run_flags(tmp_path, "b", "--num-steps", "2", "--eval-every", "1", "--eval-examples", "8", "--algo", "grpo"))
+    evals = ["--eval-every", "1", "--eval-examples", "8", "--final-eval-examples", "8"]
+    grpo.main(run_flags(tmp_path, "a", "--num-steps", "2", *evals))
+    grpo.main(run_flags(tmp_path, "b", "--num-steps", "2", *evals, "--algo", "grpo"))
     result = grpo.main(["--demo", "--init", str(tmp_path / "a" / "chatrl_checkpoints" / "d2"), "--eval-only",
                         "--final-eval-examples", "16", "--runs-dir", str(tmp_path), "--run-name", "e"])
     assert result["eval_examples"] == 16
     capsys.readouterr()
-    table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path)])
+    table = grpo.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b"), "--runs-dir", str(tmp_path), "--no-plot"])
     out = capsys.readouterr().out
     assert [row[:6] for row in table[1:]] == [["a", "sort", "reinforce", "mean", 1, 2], ["b", "sort", "grpo", "zscore",
                                                                                        1, 2]]
@@ -1131,9 +1133,9 @@ def test_eval_only_and_compare(tmp_path, capsys, monkeypatch):
     # the task's own eval metric (sort's exact match) has its column; a KL-free run's plot has no KL panel
     exact = table[0].index("exact")
     assert all(isinstance(row[exact], float) for row in table[1:]) and "exact: the task's own eval metrics" in out
-    matplotlib = pytest.importorskip("matplotlib")
+    axes = pytest.importorskip("matplotlib.axes")
     titles = []
-    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, title, *a, **k: titles.append(title))
+    monkeypatch.setattr(axes.Axes, "set_title", lambda ax, title, *a, **k: titles.append(title))
     grpo.main(["--compare", str(tmp_path / "a"), "--runs-dir", str(tmp_path)])
     assert "eval score" in titles and not [t for t in titles if t.startswith("KL")]
     with pytest.raises(SystemExit, match="not a finished run"):
@@ -1181,7 +1183,7 @@ def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(t
     grpo.main(run_flags(tmp_path, "full", "--num-steps", "1", "--algo", "grpo"))
     grpo.main(run_flags(tmp_path, "rung1", "--num-steps", "1", *ladder[1][2:]))
     capsys.readouterr()
-    table = grpo.main(["--compare", *(str(tmp_path / name) for name in ("rung4", "full", "rung1"))])
+    table = grpo.main(["--compare", *(str(tmp_path / name) for name in ("rung4", "full", "rung1")), "--no-plot"])
     out = capsys.readouterr().out
     assert [row[2] for row in table[1:]] == ["grpo", "grpo", "custom"] and table[0][2] == "preset"
     listed = out[out.index("flags that differ between the rows"):].splitlines()[1:4]
@@ -1191,7 +1193,7 @@ def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(t
         ["rung1", "--algo", "reinforce", "--aggregation", "nanochat", "--pass-size", "8", "--ppo-epochs", "1",
          "--kl-coef", "0.0"]]
     capsys.readouterr()
-    grpo.main(["--compare", str(tmp_path / "full")])  # one run: nothing differs
+    grpo.main(["--compare", str(tmp_path / "full"), "--no-plot"])  # one run: nothing differs
     assert "flags that differ" not in capsys.readouterr().out
 
 
@@ -1199,7 +1201,7 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, 
     monkeypatch.chdir(tmp_path)  # runs in several folders: the plot goes to the current one
     for seed in ("0", "1"):
         grpo.main(run_flags(tmp_path, f"cfg-seed{seed}", "--num-steps", "2", "--seed", seed, "--eval-every", "1",
-                            "--eval-examples", "8"))
+                            "--eval-examples", "8", "--final-eval-examples", "8"))
     other = tmp_path / "other"
     grpo.main(run_flags(other, "cfg-seed0", "--num-steps", "2", "--algo", "grpo"))  # same folder name, another config
     grpo.main(run_flags(tmp_path, "solo", "--num-steps", "2", "--algo", "grpo", "--seed", "1"))  # other/cfg-seed0's config
@@ -1221,10 +1223,12 @@ def test_compare_groups_seeds_and_keeps_same_named_runs_apart(tmp_path, capsys, 
     assert rows["cfg-seed0"][header.index("kl")] == steps[-1]["kl"] and rows["cfg-seed0"][header.index(
         "clip frac")] == pytest.approx(sum(m["clip_frac"] for m in steps) / len(steps)), steps  # as the legend says
     # runs that share a folder name but not a configuration keep their parent folder in the name
-    table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(other / "cfg-seed0"), "--runs-dir", str(tmp_path)])
+    table = grpo.main(["--compare", str(tmp_path / "cfg-seed0"), str(other / "cfg-seed0"), "--runs-dir", str(tmp_path),
+                       "--no-plot"])
     assert sorted(row[0] for row in table[1:]) == sorted([os.path.join(tmp_path.name, "cfg-seed0"), "other/cfg-seed0"])
     # and a seed of a configuration under another folder name joins it
-    table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path)])
+    table = grpo.main(["--compare", str(other / "cfg-seed0"), str(tmp_path / "solo"), "--runs-dir", str(tmp_path),
+                       "--no-plot"])
     assert [row[table[0].index("seeds")] for row in table[1:]] == [2]
 
 

@@ -217,7 +217,7 @@ def test_the_plan_bounds_the_exact_attentions_padded_block(tmp_path, monkeypatch
         return attention(q, k, v, pack, *a)
     monkeypatch.setattr(model_module, "packed_attention", recorded)
     grpo.main(["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--no-plot", "--pack",
-               *mode])
+               "--prompts-per-step", "8", "--num-samples", "4", *mode])
     (plan, _), = plans
     layers = 2  # the demo's
     assert blocks and layers * max(blocks) <= plan["update: exact attention's padded rows (bound)"]

@@ -194,7 +194,7 @@ def test_twenty_steps_without_signal_warn_once_and_an_equal_groups_reply_is_logg
 
 def test_ask_prints_a_checkpoints_replies_graded_when_the_question_is_the_tasks(tmp_path, capsys):
     grpo.main(["--demo", "--num-steps", "2", "--eval-every", "0", "--runs-dir", str(tmp_path), "--run-name", "a",
-               "--no-plot"])
+               "--no-plot", "--prompts-per-step", "8", "--num-samples", "4"])
     checkpoint = str(tmp_path / "a" / "chatrl_checkpoints" / "d2")
     from tasks.sort import Sort
     question = Sort("test")[0]["messages"][0]["content"]
@@ -225,7 +225,8 @@ def test_a_run_folders_files_have_the_umasks_mode(tmp_path, umask):
     # chat tools under another account, as far as the user's umask allows (a temporary file is created 0600)
     previous = os.umask(umask)
     try:
-        grpo.main(flags(tmp_path, "--num-steps", "1", "--eval-every", "1", "--eval-examples", "2"))
+        grpo.main(flags(tmp_path, "--num-steps", "1", "--eval-every", "1", "--eval-examples", "2", "--final-eval-examples",
+                        "2"))
     finally:
         os.umask(previous)
     modes = {str(path.relative_to(tmp_path)): path.stat().st_mode & 0o777
@@ -248,7 +249,7 @@ def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_tra
     # --eval-only and --ask read the policy and sample: a step's memory plan (which could refuse an eval that fits),
     # the optimizers and the KL's reference are not theirs
     run = ["--demo", "--algo", "grpo", "--eval-every", "2", "--eval-examples", "8", "--final-eval-examples", "8",
-           "--pass-k", "0", "--runs-dir", str(tmp_path), "--run-name", "a"]
+           "--pass-k", "0", "--runs-dir", str(tmp_path), "--run-name", "a", "--prompts-per-step", "8", "--num-samples", "4"]
     grpo.main(run + ["--num-steps", "2", "--no-plot"])
     final = lines(tmp_path / "a" / "metrics.jsonl")[-1]
     replies = lines(tmp_path / "a" / "evals" / "step_2.jsonl")
@@ -271,7 +272,8 @@ def test_an_evaluation_builds_no_optimizer_reference_or_teacher_and_plans_no_tra
 
 def test_a_runs_first_screen_is_the_flags_given_and_the_plans_peak_then_step_1(tmp_path, capsys):
     # every setting stays in config.json; --show-config prints them, and each part of the memory plan
-    flags = ["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--no-plot"]
+    flags = ["--demo", "--num-steps", "1", "--eval-every", "0", "--runs-dir", str(tmp_path), "--no-plot",
+             "--prompts-per-step", "8", "--num-samples", "4"]
     grpo.main(flags + ["--run-name", "short"])
     before_step = capsys.readouterr().out.split("step 1/1")[0].splitlines()
     assert len(before_step) <= 5, before_step  # threads, settings, the plan's peak, the optimizer

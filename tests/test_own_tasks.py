@@ -226,7 +226,7 @@ class Reverse(Task):
         return cls(split)
 
     def __len__(self):
-        return 64 if self.sort.split == "test" else 10 ** 6
+        return 64 if self.sort.split == "test" else 1000
 
     def example(self, index):
         digits = self.sort[index]["messages"][0]["content"]
@@ -245,11 +245,12 @@ class Reverse(Task):
     def default_num_steps(args):
         return 100
 '''
+HUGE_TASK_FILE = TASK_FILE.replace("else 1000", "else 10 ** 6")  # a million examples; the plan reads 10,000 of them
 
 
 def test_a_jsonl_task_and_a_python_task_train_and_a_watched_task_is_logged_and_compared(tmp_path, capsys):
     mc = write_jsonl(tmp_path / "largest.jsonl", largest_of_three(40))
-    (tmp_path / "reverse.py").write_text(TASK_FILE)
+    (tmp_path / "reverse.py").write_text(HUGE_TASK_FILE)
     grpo.main(base_flags(tmp_path, "mc", "--task", mc, "--grader", "choice", "--eval-task", "sort"))
     grpo.main(base_flags(tmp_path, "py", "--task", str(tmp_path / "reverse.py") + ":Reverse", "--eval-task", mc,
                          "--grader", "choice"))
@@ -446,7 +447,7 @@ def test_the_readmes_own_task_commands_run_as_written_on_the_files_that_ship(tmp
     scratch = [argv for argv in argvs if "--demo" in argv]
     checkpoint = [argv for argv in argvs if "--demo" not in argv]
     assert len(scratch) == 5 and len(checkpoint) == 1 and "--init" not in checkpoint[0]  # 3: episodes
-    short = ["--num-steps", "2", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
+    short = ["--num-steps", "1", "--prompts-per-step", "4", "--num-samples", "4", "--max-new-tokens", "6",
              "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4", "--save-every", "0",
              "--eval-max-new-tokens", "6", "--runs-dir", str(tmp_path / "runs"), "--no-plot"]
     for argv in scratch:  # in order: the grader function's run goes on from the first run (--init runs/...)
@@ -1037,7 +1038,7 @@ def test_a_python_task_may_count_with_numpy_ints_and_a_stop_signal_in_its_code_s
     spec = f"{tmp_path / 'own.py'}:NumpyCounts"
     assert grpo.resolve_config(["--init", "scratch", "--task", spec]).num_steps == 7
     train, test = (build(spec, split, None) for split in ("train", "test"))
-    assert (len(train), len(test), test.longest_prompt(None)) == (10 ** 6, 64, 9)
+    assert (len(train), len(test), test.longest_prompt(None)) == (1000, 64, 9)
     assert type(test.longest_prompt(None)) is int and test[3] == train.task.__class__("test").example(3)
     with pytest.raises(SystemExit) as stop:  # --no-save-on-stop: a stop at once, in the code of the task
         grpo.main(base_flags(tmp_path, "stop", "--task", f"{tmp_path / 'own.py'}:ExampleInterrupted",
