@@ -629,7 +629,7 @@ def test_an_episode_run_trains_logs_its_turns_and_resumes_only_with_the_same_epi
     samples = [json.loads(line) for line in open(tmp_path / "runs" / "guess" / "samples.jsonl")]
     assert all(s["episode"][-1]["role"] == "assistant" and s["reply"] == s["episode"][-1]["content"] for s in samples)
     assert "| turns " in capsys.readouterr().out
-    table = grpo.compare_runs([str(tmp_path / "runs" / "guess")], None)  # --compare: turns too (plotted: below)
+    table = grpo.compare_runs([str(tmp_path / "runs" / "guess")], str(tmp_path / "c.png"))  # --compare: turns too
     assert table[1][table[0].index("turns")] == steps[-1]["episode_turns"]
 
 

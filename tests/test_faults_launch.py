@@ -137,7 +137,8 @@ WRITES = [("state_000002.pt", 1, signal.SIGTERM), ("model_000002.pt", 1, signal.
           ("curves.png", 1, signal.SIGHUP)]
 
 
-STRAIGHT = ["--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "4"]
+# evals of 4 and 6 problems: a resumed eval that takes the other count (or other problems) reads other replies
+STRAIGHT = ["--num-steps", "3", "--eval-every", "2", "--eval-examples", "4", "--final-eval-examples", "6"]
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +283,8 @@ def test_a_stop_skips_a_due_eval_saves_the_step_and_resume_runs_that_eval(tmp_pa
         assert torch.equal(v, straight[k]), k
     evals = [sorted(os.listdir(run / "evals")) for run in (straight_folder, tmp_path / "runs" / "skipped")]
     assert evals[0] == evals[1] == ["step_0.jsonl", "step_2.jsonl", "step_3.jsonl"]
+    for name in evals[0]:  # the same problems, the same replies
+        assert (straight_folder / "evals" / name).read_text() == (tmp_path / "runs" / "skipped" / "evals" / name).read_text()
 
 
 def test_a_lost_rank_after_a_stop_signal_is_the_stop_not_a_fault_to_look_for(tmp_path, monkeypatch):
@@ -467,6 +470,9 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_it_over(tmp_p
                                                                                           "metrics.jsonl"))]
             for n in ("straight", "early")]
     assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [0, 1, 2, 2, 3, 3]
+    for name in ("step_0.jsonl", "step_2.jsonl", "step_3.jsonl"):  # the same problems, the same replies
+        assert (tmp_path / "runs" / "straight" / "evals" / name).read_text() == (tmp_path / "runs" / "early" / "evals" /
+                                                                                  name).read_text()
 
 
 def test_compare_keeps_copies_of_one_seed_apart(tmp_path, capsys):

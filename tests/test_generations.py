@@ -708,7 +708,7 @@ def test_the_compiled_passes_on_a_gpu_are_one_graph_each(monkeypatch):
     monkeypatch.setattr(model_module, "VARLEN_GQA", "enable_gqa" in keywords)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: False)  # the meta device has no autocast
     batch, args = trainer_batch([20, 30], 3, 150, 384, static=True)
-    model = random_model("smear-backout", n_layer=2, sequence_len=256).bfloat16().to("meta")  # a short, a long layer
+    model = random_model("smear-backout", sequence_len=256).bfloat16().to("meta")
     first = batch["micro_batches"][0]
     pack = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in first["pack"].items()}
     states = torch.empty(300, model.config.n_embd, dtype=torch.bfloat16, device="meta")  # a chunk of positions

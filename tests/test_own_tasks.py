@@ -434,7 +434,7 @@ def files_named(argv):
 
 def test_the_readmes_own_task_commands_run_as_written_on_the_files_that_ship(tmp_path, monkeypatch):
     # As the README says, from the repository's folder: its example task file and grader ship with the repository,
-    # and every own-task command runs on them (shortened to 2 tiny steps, its run folder under tmp_path): from
+    # and every own-task command runs on them (shortened to 1 tiny step, its run folder under tmp_path): from
     # scratch on the CPU (--demo), with the grader function, and from a nanochat checkpoint (the newest chat one
     # under $NANOCHAT_BASE_DIR)
     from test_generations import FIXTURES
