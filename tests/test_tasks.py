@@ -263,3 +263,18 @@ def test_sort_scores_the_exact_match_as_a_term_of_its_own():
     answer = problem["messages"][-1]["content"]
     assert task.reward_parts(problem, answer) == {"reward": 1.0, "exact": 1.0}
     assert task.reward_parts(problem, answer[:-1] + "x") == {"reward": 0.8, "exact": 0.0}
+
+
+def test_the_longest_prompt_of_a_huge_task_reads_its_first_10000_examples_alone():
+    # the memory plan's bound: a task of a million examples is not rendered whole at each run's start
+    from tasks import Task
+    read = []
+
+    class Huge(Task):
+        def __len__(self):
+            return 10 ** 6
+
+        def example(self, index):
+            read.append(index)
+            return {"messages": [{"role": "user", "content": "x" * (index % 7)}, {"role": "assistant", "content": ""}]}
+    assert Huge().longest_prompt(TOK) == 4 + 6 and read == list(range(10_000))
