@@ -627,6 +627,12 @@ def test_a_process_started_just_before_the_session_is_killed_is_killed_too(tmp_p
     assert not os.path.exists(temp_file.read_text())  # the part's temporary folder removed
 
 
+def reachable_by_ctrl_c():
+    """A session started as from a terminal: SIGINT at its default. The suite run as a background job (`nohup ...
+    &`) starts its processes with SIGINT ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signalled_session(tmp_path, number):
     """A session, in a process group of its own, signalled as a whole (Ctrl-C at a terminal, `timeout`, kill --
     -PGID) while part 1 (a process group of its own) and 3a run. -> (its exit, stderr, part 1's pid, results.md)."""
@@ -642,7 +648,7 @@ def signalled_session(tmp_path, number):
         gpu_session.PARTS.update({{"1": hanging, "3a": slow}})
     """, ["--smoke", "--out", str(tmp_path / "out"), "--parts", "1,3a", "--shared", str(tmp_path / "no")])
     session = subprocess.Popen([sys.executable, "-c", script], process_group=0, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=reachable_by_ctrl_c)
     try:
         for _ in range(2000):
             if started.exists() and child.exists() and child.read_text().strip():
@@ -683,7 +689,7 @@ def test_a_signal_during_torchs_import_is_said_as_an_interrupt(tmp_path, number)
     # traceback, no "died" line from the watchdog (was: a traceback, exit status 1 for SIGTERM)
     session = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_session.py"), "--smoke", "--out",
                                 str(tmp_path), "--parts", "3a", "--shared", str(tmp_path / "no")],
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=reachable_by_ctrl_c)
     def started():  # the watchdog running and SIGTERM's handler in place, the last of the start before the imports
         caught = re.search(r"SigCgt:\s*([0-9a-f]+)", open(f"/proc/{session.pid}/status").read())[1]
         return session_watchdog.descendants(session.pid) and int(caught, 16) >> (signal.SIGTERM - 1) & 1
