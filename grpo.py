@@ -135,8 +135,7 @@ def kl_penalty(logprobs, ref_logprobs, estimator):
       k3 = e^-d + d - 1 (DeepSeekMath): (1 - pi_ref / pi) grad log pi, whose expectation is
                                   -sum_o pi_ref(o) grad log pi(o): the gradient of KL(pi_ref || pi_theta), the
                                   forward KL, though its value estimates the reverse one without bias
-    Per position: the prefix's own probability is not differentiated (the reward placement's sum over the reply
-    is)."""
+    Per position: the prefix's own probability is not differentiated (the reward placement's sum over the reply is)."""
     log_ratio = logprobs - ref_logprobs  # d = log(pi_theta / pi_ref)
     if estimator == "k1":
         return log_ratio.detach() * (1 + logprobs - logprobs.detach())  # value d, gradient d grad log pi
@@ -2892,8 +2891,9 @@ def compare_runs(run_dirs, plot_path):
 
 def preset_of(config):
     """The preset whose algorithm flags a run ran with, whatever its --algo (reinforce with the ladder's four flags
-    is grpo), its own --algo first where presets coincide; else "custom". Under GDPO --advantage is idle."""
-    idle = ("advantage",) if config.get("reward_combination") == "normalize-then-sum" else ()
+    is grpo), its own --algo first where presets coincide; else "custom". Flags idle in the run are not compared."""
+    run = SimpleNamespace(**{**dict.fromkeys(ROLES), **config})
+    idle = {k for k in PRESETS["reinforce"] if any(holds(run) for holds, _ in IDLE[k])}
     # clip_eps_high None, as resolve_config sets it: the upper clip is the lower one
     presets = {name: dict(p, clip_eps_high=p["clip_eps_high"] or p["clip_eps"]) for name, p in PRESETS.items()}
     return next((name for name in sorted(presets, key=lambda name: name != config["algo"])

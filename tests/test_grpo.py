@@ -1177,6 +1177,21 @@ def test_under_the_demo_each_rung_of_the_ladder_moves_the_entropy_bonus_only_wit
                                                      "--entropy-coef", "0.01"]).notes == []
 
 
+@pytest.mark.parametrize("flags,preset", [
+    (["--distill-divergence", "forward"], "grpo"),  # no teacher term: its note says it does nothing
+    (["--algo", "reinforce", "--kl-estimator", "k2"], "reinforce"),  # no KL term
+    (["--algo", "reinforce", "--clip-eps", "0.3"], "reinforce"),  # one optimizer step a batch: the ratio is 1
+    (["--algo", "sapo", "--clip-eps", "0.3"], "sapo"),  # SAPO's gate has no clip
+    (["--algo", "grpo", "--kl-estimator", "k2"], "custom"), (["--algo", "grpo", "--clip-eps", "0.3"], "custom"),
+    (["--algo", "reinforce", "--reward-combination", "normalize-then-sum", "--advantage", "zscore"], "reinforce"),
+])
+def test_a_flag_that_did_nothing_leaves_the_runs_preset(flags, preset):
+    # the preset column of --compare and of the end-of-run summary: a flag idle in the run changed nothing in it
+    config = grpo.resolve_config(["--demo", *flags])
+    assert bool(config.notes) == (preset != "custom"), config.notes
+    assert grpo.preset_of(json.loads(json.dumps(vars(config)))) == preset  # as config.json holds it
+
+
 def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(tmp_path, capsys):
     ladder = readme_ladder()
     grpo.main(run_flags(tmp_path, "rung4", "--num-steps", "1", *ladder[4][2:]))  # --algo reinforce + four flags
