@@ -1905,10 +1905,10 @@ def flags_with(role):
 
 NO_KL = (lambda a: not a.kl_coef, "the KL's weight is 0 (--kl-coef)")
 SAPO_ONLY = (lambda a: a.policy_loss != "sapo", "it is SAPO's, and the policy loss is another")
-GATE_AT_ONE = (lambda a: a.policy_loss == "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer "
+GATE_AT_ONE = (lambda a: a.policy_loss == "sapo" and a.ppo_epochs == a.num_minibatches == 1, "with one optimizer "
                "step a sampled batch the ratio is 1: there SAPO's gate is the policy gradient at any temperature")
 NO_CLIP = (lambda a: a.policy_loss == "sapo", "SAPO's smooth gate has no clip (--sapo-tau-pos, --sapo-tau-neg)")
-RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs * a.num_minibatches == 1, "with one optimizer step a "
+RATIO_ONE = (lambda a: a.policy_loss != "sapo" and a.ppo_epochs == a.num_minibatches == 1, "with one optimizer step a "
              "sampled batch (--ppo-epochs 1, --num-minibatches 1), pi_theta is pi_old at that step: the ratio is 1, "
              "inside any clip")
 NO_LORA = (lambda a: not a.lora_rank, "no adapters without --lora-rank")

@@ -1192,6 +1192,19 @@ def test_a_flag_that_did_nothing_leaves_the_runs_preset(flags, preset):
     assert grpo.preset_of(json.loads(json.dumps(vars(config)))) == preset  # as config.json holds it
 
 
+def test_a_config_without_the_algorithm_flags_or_with_others_values_is_labelled_custom(tmp_path, capsys):
+    # a config.json of an older version (flags it did not have) or edited by hand: the idle conditions read what it
+    # holds, and --compare shows it, never a traceback
+    grpo.main(run_flags(tmp_path, "edited", "--num-steps", "1", "--eval-every", "0"))
+    config = json.load(open(tmp_path / "edited" / "config.json"))
+    for damage in ({"ppo_epochs": None, "num_minibatches": None}, {"ppo_epochs": "2", "policy_loss": [1]}):
+        edited = {k: v for k, v in config.items() if k not in damage or damage[k] is not None}
+        json.dump(dict(edited, **{k: v for k, v in damage.items() if v is not None}),
+                  open(tmp_path / "edited" / "config.json", "w"))
+        table = grpo.main(["--compare", str(tmp_path / "edited"), "--no-plot"])
+        assert table[1][2] == "custom", table
+
+
 def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(tmp_path, capsys):
     ladder = readme_ladder()
     grpo.main(run_flags(tmp_path, "rung4", "--num-steps", "1", *ladder[4][2:]))  # --algo reinforce + four flags
