@@ -2833,9 +2833,9 @@ def compare_runs(run_dirs, plot_path):
         try:
             config = read_config(os.path.join(run_dir, "config.json"))
             metrics = read_step_log(os.path.join(run_dir, "metrics.jsonl"))
-            if not {"task", "algo"} <= set(config):
+            if not ({"task", "algo"} <= set(config) and type(config.get("scores")) is dict and "" in config["scores"]):
                 raise ValueError("config.json is not a nanogrpo run's configuration")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's stack
             sys.exit(f"error: {run_dir} is not a finished run directory ({e})")
         if config.get("reward_combination") == "normalize-then-sum":  # GDPO's advantages: --advantage is idle
             config = dict(config, advantage="gdpo")

@@ -1203,6 +1203,12 @@ def test_a_config_without_the_algorithm_flags_or_with_others_values_is_labelled_
                   open(tmp_path / "edited" / "config.json", "w"))
         table = grpo.main(["--compare", str(tmp_path / "edited"), "--no-plot"])
         assert table[1][2] == "custom", table
+    # what --compare cannot read a run from: one line naming the folder
+    for damaged in ({"task": "sort", "algo": "grpo"}, dict(config, scores="reward"), "[" * 100_000):
+        (tmp_path / "edited" / "config.json").write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(["--compare", str(tmp_path / "edited"), "--no-plot"])
+        assert str(stop.value.code).startswith(f"error: {tmp_path / 'edited'} is not a finished run directory (")
 
 
 def test_compare_labels_runs_by_their_settings_and_shows_the_flags_that_differ(tmp_path, capsys):
