@@ -1949,8 +1949,8 @@ arg("--clip-eps-high", type=float, help="upper ratio clip: rho <= 1 + eps (cispo
 arg("--clip-ratio-c", type=float, idle=[RATIO_ONE], help="dual clip: with A < 0 the loss is <= -C * A (default: off)")
 arg("--kl-coef", type=float, help="beta, the KL penalty's weight; 0 builds no reference model")
 arg("--kl-estimator", choices=["k1", "k2", "k3"], help="per-token KL estimator in the loss (docs/algorithm.md: which "
-    "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the KL in the reward is each "
-                                               "reply's summed k1 (--kl-placement reward)")])
+    "KL's gradient each gives)", idle=[NO_KL, (lambda a: a.kl_placement == "reward", "the reward's KL is each "
+                                               "reply's summed k1 (--kl-placement reward); the logged kl uses it")])
 arg("--kl-placement", default="loss", choices=["loss", "reward"], help="beta x KL in the loss (DeepSeekMath), or beta "
     "x each reply's summed k1 taken from its reward before the advantages; there an all-equal group's advantages are "
     "its replies' KL differences: beta-sized (mean, rloo), / the step's std (batch), unit std (zscore)", idle=[NO_KL])
