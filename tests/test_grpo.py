@@ -1197,10 +1197,9 @@ def test_a_config_without_the_algorithm_flags_or_with_others_values_is_labelled_
     # holds, and --compare shows it, never a traceback
     grpo.main(run_flags(tmp_path, "edited", "--num-steps", "1", "--eval-every", "0"))
     config = json.load(open(tmp_path / "edited" / "config.json"))
-    for damage in ({"ppo_epochs": None, "num_minibatches": None}, {"ppo_epochs": "2", "policy_loss": [1]}):
-        edited = {k: v for k, v in config.items() if k not in damage or damage[k] is not None}
-        json.dump(dict(edited, **{k: v for k, v in damage.items() if v is not None}),
-                  open(tmp_path / "edited" / "config.json", "w"))
+    without = {k: v for k, v in config.items() if k not in ("ppo_epochs", "num_minibatches")}
+    for edited in (without, dict(config, ppo_epochs="2", policy_loss=[1])):
+        (tmp_path / "edited" / "config.json").write_text(json.dumps(edited))
         table = grpo.main(["--compare", str(tmp_path / "edited"), "--no-plot"])
         assert table[1][2] == "custom", table
     # what --compare cannot read a run from: one line naming the folder
