@@ -122,15 +122,14 @@ def pytest_configure(config):
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if config.pluginmanager.has_plugin("hypothesispytest"):  # where installed: the suite has no property tests,
         config.pluginmanager.unregister(name="hypothesispytest")  # and its plugin imports hypothesis at the end (1-2 s)
-    config.addinivalue_line("markers", "slow: minutes on 2 CPU cores; run with --slow")
+    config.addinivalue_line("markers", "slow: the compiler, and learning measured, past the suite's 2 minutes: --slow")
     config.addinivalue_line("markers", "xdist_group(name): with pytest -n, these tests run on one worker")
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
 
 
-# The tests that take 5-15 s each (whole runs in other processes, learning from scratch): run first, so that under
-# pytest -n the two workers do not end with one of them alone on a long test.
-LONG_FIRST = ("rank_runs", "test_faults_launch.py", "learned_from_scratch", "learns_from_random_weights",
-              "pristine")
+# The tests that take 5-25 s each (whole runs in other processes): run first, so that under pytest -n the two
+# workers do not end with one of them alone on a long test.
+LONG_FIRST = ("rank_runs", "test_faults_launch.py", "pristine")
 
 
 def pytest_collection_modifyitems(config, items):
