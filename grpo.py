@@ -23,8 +23,7 @@ The objective, for a question q with replies o_1..o_G and rewards r_1..r_G, per 
                 (--distill-divergence forward, --algo distill's)
     loss      = aggregate(policy_t + beta * kl_t - c * H_t + lambda * fkl_t)  over a minibatch's reply tokens
                 (nanochat | token | sequence | constant)
-The code reads top to bottom: the objective's terms, then a step in the order it runs; below the banner, the flags
-and the run's plumbing."""
+Top to bottom: the objective's terms, a step in the order it runs; below the banner, flags and the run's plumbing."""
 import os
 
 # A small model's ops take microseconds each, inside OpenMP parallel regions whose threads wait for one another at
@@ -89,8 +88,7 @@ from tasks.jsonl import GRADERS
 # that flags switch on (other advantages, losses and rewards, the teacher's two forms) follow the step, below.
 
 def group_advantages(rewards, kind, eps=1e-4):
-    """rewards [P, G] -> advantages [P, G], one scalar per reply, relative to its own group (kind "batch": an
-    all-reduce over the ranks)."""
+    """rewards [P, G] -> advantages [P, G], one per reply, relative to its own group ("batch": all-reduced)."""
     G = rewards.size(1)
     if kind == "none":  # the reward teaches nothing (--algo distill: the teacher does, per token, in objective)
         return torch.zeros_like(rewards)
@@ -110,13 +108,11 @@ def group_advantages(rewards, kind, eps=1e-4):
 def clipped_policy_loss(log_ratio, advantages, eps_low, eps_high, clip_c=None):
     """PPO-clip term. log_ratio = log pi_theta - log pi_old, per token [B, T] or per reply [B, 1] (GSPO);
     advantages [B, 1], or [B, T] with the sampled teacher's per-token term -> (loss, clipped), shaped like their
-    product. With pi_old = pi_theta detached the ratio is exactly 1 and the gradient is A * grad(log pi): plain
-    REINFORCE."""
+    product. With pi_old = pi_theta detached, ratio = 1 and the gradient is A * grad(log pi): REINFORCE."""
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
-    # The min takes the clipped branch (zero gradient) once the ratio has moved past the interval in the
-    # direction the advantage pushes it.
+    # the min takes the clipped branch (no gradient) once the ratio is past the interval the way A pushes it
     loss, was_clipped = -torch.minimum(unclipped, clipped), clipped < unclipped
     if clip_c is not None:  # dual clip (Ye et al. 2020): with A < 0 a huge ratio costs at most -C * A
         dual = (advantages < 0) & (loss > -clip_c * advantages)
@@ -317,8 +313,7 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
 def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
     """A micro-batch's log-probs (and entropies; and with top_ids, a teacher's top-k ids in the pass's layout, the
     log-probs of those tokens and of the rest) in its rows' layout, [R, width, ...]: a packed pass runs as one
-    sequence, and each row's tokens are taken back out of it. The entropies carry a gradient only where the loss
-    has the entropy bonus; else they are only logged."""
+    sequence, each row's tokens taken back out of it. Entropies carry a gradient only under the entropy bonus."""
     out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
                              positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0,
                              top_ids=top_ids)
@@ -334,8 +329,7 @@ def frozen_logprobs(net, micro_batches, args, autocast):
 
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
     """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
-    owners: with a sharded optimizer, each weight's rank (shard_owners); None: every rank steps every weight.
-    teacher: --distill-coef's frozen teacher."""
+    owners: each weight's rank with a sharded optimizer (shard_owners), else None. teacher: --distill-coef's."""
     micro_batches = batch["micro_batches"]
     start = time.time()
     old_logprobs, ref_logprobs, teacher_logprobs = frozen_terms(model, batch, args, autocast, ref_model, teacher)
@@ -343,8 +337,7 @@ def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owne
         batch["advantages"] = kl_reward_advantages(batch, old_logprobs, ref_logprobs, args)
     time_logprobs = time.time() - start
     advantages = batch["advantages"][:, None]  # [N, 1]
-    # every minibatch's loss denominator, policy tokens and tokens with a non-zero advantage, summed over ranks: one
-    # read from the device per update
+    # each minibatch's loss denominator, policy tokens, non-zero-advantage tokens: summed over ranks, one device read
     totals = all_reduce(torch.cat([batch["minibatch_totals"].to(advantages.device),
                                    signal_tokens(batch, args)], dim=1)).tolist()
     stats = update_stats(advantages.device)
@@ -488,8 +481,7 @@ def train(args, run):
 
 
 # -----------------------------------------------------------------------------
-# The variants: each a flag's change to a term above (the few that all-reduce over the ranks, which every rank
-# must then call, say so)
+# The variants: each a flag's change to a term above (those that all-reduce, so every rank must call, say so)
 
 def plain_policy_term(args, teacher):
     """Whether the policy term is GRPO's own: PPO's clip per token, on the sampler's tokens as pi_old's."""
@@ -565,8 +557,7 @@ def cispo_policy_loss(logprobs, log_ratio, advantages, eps_low, eps_high):
 def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
     """SAPO (Qwen, arXiv 2511.20347): a smooth gate in place of the clip, -(4 / tau) sigmoid(tau (rho - 1)) A, with
     tau_neg (> tau_pos) where A < 0, whose gate decays faster. Its gradient is A * 4 sigmoid'(tau (rho - 1)) * rho *
-    grad(log pi): at rho = 1 exactly the policy gradient A grad(log pi), falling off smoothly as rho leaves 1.
-    -> (loss, clipped: nothing is, all False)."""
+    grad(log pi): at rho = 1 the policy gradient, falling off as rho leaves 1. -> (loss, clipped: all False)."""
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * (4 / tau)
     return -gate * advantages, torch.zeros_like(log_ratio, dtype=torch.bool)
@@ -574,8 +565,7 @@ def sapo_policy_loss(log_ratio, advantages, tau_pos, tau_neg):
 
 def rollout_weights(sampler_gap, kind, cap):
     """Weights of the policy term from log(pi_old / pi_sampler), per token [B, T] or per reply [B, 1], detached.
-    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where the ratio is within [1 / cap, cap],
-    else 0."""
+    tis (truncated importance sampling): the ratio, at most cap; mask: 1 where it is in [1 / cap, cap], else 0."""
     ratio = torch.exp(sampler_gap)
     return ratio.clamp(max=cap) if kind == "tis" else ((ratio >= 1 / cap) & (ratio <= cap)).float()
 
@@ -602,9 +592,8 @@ def kl_reward_advantages(batch, old_logprobs, ref_logprobs, args):
 
 
 def pass_normalisers(loss_mask, G, pass_size):
-    """nanochat's aggregation: loss_mask [N, T] -> [N]: per row, its pass's tokens x the question's passes / G, so
-    that each reply's sum divided by this, averaged over all replies, is nanochat's loss (when pass_size divides G:
-    the mean reply length of the pass)."""
+    """nanochat's aggregation: loss_mask [N, T] -> [N]: per row, its pass's tokens x the question's passes / G: each
+    reply's sum / this, averaged over the replies, is nanochat's loss (pass_size dividing G: the pass's mean length)."""
     N = loss_mask.size(0)
     passes = -(-G // pass_size)  # per question
     row = torch.arange(N, device=loss_mask.device)
@@ -2996,5 +2985,16 @@ def plot_runs(names, configurations, watched, episodes, own, plot_path):
     print(f"plot: {plot_path}" + (" (replaced the one there)" if replaced else ""))
 
 
+def run_script(argv=None):
+    """`python grpo.py`: main, a one-line error in one write (Python's exit takes two): ranks' lines stay whole."""
+    try:
+        main(argv)
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        os.write(2, f"{stop.code}\n".encode())
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    run_script()

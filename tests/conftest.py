@@ -99,7 +99,8 @@ def writes_nothing_into_the_repository():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (torch.compile on the CPU)")
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (torch.compile on the CPU, learning measured)")
 
 
 def free_port():
@@ -127,9 +128,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on a CUDA GPU; skipped without one")
 
 
-# The tests that take 5-25 s each (whole runs in other processes): run first, so that under pytest -n the two
-# workers do not end with one of them alone on a long test.
-LONG_FIRST = ("rank_runs", "test_faults_launch.py", "pristine")
+# The tests that take 5-25 s each (whole runs in other processes, learning from scratch under --slow): run first, so
+# that under pytest -n the two workers do not end with one of them alone on a long test.
+LONG_FIRST = ("rank_runs", "test_faults_launch.py", "learned_from_scratch", "learns_from_random_weights",
+              "pristine")
 
 
 def pytest_collection_modifyitems(config, items):

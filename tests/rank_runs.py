@@ -1,7 +1,7 @@
 """
 Several grpo.py runs, one after the other, in each process of one multi-process launch: the rank tests start their
 ranks once (an interpreter and `import torch` per rank) instead of once per run. The process group stays up between
-the runs; each run is grpo.main with its flags, as `python grpo.py <flags>` runs it.
+the runs; each run is grpo.run_script with its flags, as `python grpo.py <flags>` runs it.
 
     python tests/rank_runs.py RUNS.json      # RUNS.json: a list of flag lists; RANK, WORLD_SIZE, ... set as torchrun
 
@@ -86,7 +86,7 @@ if __name__ == "__main__":
         elif isinstance(entry, dict):
             with rehearsal() if entry.get("rehearsal") else nullcontext(), slowed(entry.get("update_seconds", 0.0),
                                                                                   entry.get("save_seconds", 0.0)):
-                grpo.main(entry["flags"])
+                grpo.run_script(entry["flags"])
         else:
-            grpo.main(entry)
+            grpo.run_script(entry)
     leave()

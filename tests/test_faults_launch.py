@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -359,6 +360,20 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
         for rank in ranks:
             rank.kill()
 
+
+
+def test_a_one_line_error_is_one_write_so_that_ranks_sharing_a_log_keep_their_lines_whole(tmp_path, monkeypatch):
+    # Python's own exit writes a message and its newline apart: two ranks stopping together in one log (torchrun's
+    # output) glued rank 1's line and rank 0's into one (seen in the two-node test)
+    written, write = [], os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: written.append(data) or len(data) if fd == 2 else write(fd, data))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--demo", "--init", str(tmp_path / "none"), "--runs-dir",
+                                      str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")  # as `python grpo.py` runs it
+    assert stop.value.code == 1 and len(written) == 1, written
+    assert written[0].startswith(b"error: --init: no model_<step>.pt files in ") and written[0].count(b"\n") == 1
+    assert written[0].endswith(b"\n")
 
 # ---------------------------------------------------------------------------- inputs that changed under a run
 

@@ -1091,7 +1091,7 @@ def test_gradients_are_reduced_in_few_buckets_and_exactly(monkeypatch):
     assert max(load) <= 0.6 * sum(load) and 0 < min(load)
 
 
-@pytest.mark.slow  # a measurement (11 s of the suite's two minutes on 2 cores): pytest --slow
+@pytest.mark.slow  # a measurement, 11 s on 2 cores: outside the 2-minute suite (pytest --slow)
 def test_demo_learns_from_random_weights(tmp_path, capsys):
     # the demo's settings, shortened: a larger learning rate so that 40 steps show a clear rise (held-out reward
     # 0.15-0.21 at step 40 for seeds 0-3, from 0.00: trajectories differ between processors, so a margin)

@@ -14,6 +14,7 @@ import grpo
 import model as model_module
 from conftest import Killed
 from model import GPT, GPTConfig, Tokenizer
+from tasks import build
 from test_faults import flags
 from test_generations import FIXTURES
 from test_grpo import NO_AUTOCAST, args_for, sampled_batch
@@ -42,6 +43,11 @@ def test_samples_and_eval_replies_are_written_and_a_resume_logs_each_step_once(t
         else:  # no group of the step had differing rewards
             assert len({s["index"] for s in rows}) == len(rows)
     assert pairs >= 1
+    # each reward is the task's grade of the reply beside it, not another reply's of its group (float32, as scored)
+    args = grpo.resolve_config(argv)
+    task = build(args.task, "train", args)
+    assert [s["reward"] for s in samples] == [torch.tensor(task.reward(task[s["index"]], s["reply"])).item()
+                                              for s in samples]
     assert sorted(os.listdir(straight / "evals")) == ["step_0.jsonl", "step_2.jsonl", "step_3.jsonl"]
     metrics = lines(straight / "metrics.jsonl")
     for step, n in ((0, 5), (2, 5), (3, 6)):
