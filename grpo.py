@@ -313,7 +313,7 @@ def make_batch(prompts, samples, rewards, args, static=None, reward_parts=None):
 def logprobs_of(net, mb, args, with_entropy=False, top_ids=None):
     """A micro-batch's log-probs (and entropies; and with top_ids, a teacher's top-k ids in the pass's layout, the
     log-probs of those tokens and of the rest) in its rows' layout, [R, width, ...]: a packed pass runs as one
-    sequence, each row's tokens taken back out of it. Entropies carry a gradient only under the entropy bonus."""
+    sequence, each row's tokens taken back out of it. Entropies carry a gradient under the bonus, else are logged."""
     out = net.token_logprobs(mb["input_ids"], mb["target_ids"], args.temperature, with_entropy=with_entropy,
                              positions=mb["positions"], pack=mb.get("pack"), entropy_grad=args.entropy_coef > 0,
                              top_ids=top_ids)
@@ -329,7 +329,7 @@ def frozen_logprobs(net, micro_batches, args, autocast):
 
 def policy_update(model, optimizers, batch, args, autocast, ref_model=None, owners=None, teacher=None):
     """ppo_epochs passes over the batch, num_minibatches optimizer steps per pass -> (stats, logprob seconds).
-    owners: each weight's rank with a sharded optimizer (shard_owners), else None. teacher: --distill-coef's."""
+    owners: a sharded optimizer's rank per weight (shard_owners; None: all step all); teacher: --distill-coef's net."""
     micro_batches = batch["micro_batches"]
     start = time.time()
     old_logprobs, ref_logprobs, teacher_logprobs = frozen_terms(model, batch, args, autocast, ref_model, teacher)
@@ -2992,7 +2992,7 @@ def run_script(argv=None):
     except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise
-        os.write(2, f"{stop.code}\n".encode())
+        sys.stderr.write(f"{stop.code}\n")  # one write: stderr passes each write straight through
         sys.exit(1)
 
 

@@ -5,6 +5,7 @@ a run in --compare, and evaluating someone's checkpoint more than once.
 """
 import glob
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -361,19 +362,25 @@ def test_a_stuck_rank_ends_the_job_after_the_timeout_naming_it(tmp_path):
             rank.kill()
 
 
-
 def test_a_one_line_error_is_one_write_so_that_ranks_sharing_a_log_keep_their_lines_whole(tmp_path, monkeypatch):
     # Python's own exit writes a message and its newline apart: two ranks stopping together in one log (torchrun's
-    # output) glued rank 1's line and rank 0's into one (seen in the two-node test)
-    written, write = [], os.write
-    monkeypatch.setattr(os, "write", lambda fd, data: written.append(data) or len(data) if fd == 2 else write(fd, data))
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--demo", "--init", str(tmp_path / "none"), "--runs-dir",
-                                      str(tmp_path)])
+    # output) glued rank 1's line and rank 0's into one (seen in the two-node test). The path: a byte that is not
+    # UTF-8, escaped as Python's stderr escapes it (encoded as is, it made a traceback)
+    class Writes(io.BytesIO):
+        def write(self, data):
+            written.append(bytes(data))
+            return len(data)
+    written, folder = [], str(tmp_path / "n\udcffne")
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(Writes(), encoding="utf-8", errors="backslashreplace",
+                                                        write_through=True))  # as Python sets up stderr
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--demo", "--init", folder, "--runs-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")  # as `python grpo.py` runs it
-    assert stop.value.code == 1 and len(written) == 1, written
-    assert written[0].startswith(b"error: --init: no model_<step>.pt files in ") and written[0].count(b"\n") == 1
-    assert written[0].endswith(b"\n")
+    assert stop.value.code == 1 and written == [f"error: --init: no model_<step>.pt files in {folder}: name a "
+                                                "nanochat checkpoint folder (e.g. <base>/chatsft_checkpoints/d20) or a "
+                                                "run folder of grpo.py, or use --init sft\n".encode(
+                                                    errors="backslashreplace")], written
+
 
 # ---------------------------------------------------------------------------- inputs that changed under a run
 
